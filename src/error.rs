@@ -1,0 +1,75 @@
+//! The one error type of the crate.
+
+use std::time::Duration;
+
+/// A boxed error from a backend's client library, kept as the [`source`](std::error::Error::source).
+type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything that can go wrong while taking or giving back a permit.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_distributed_limit::{Error, MemoryBackend, Semaphore};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let sem = Semaphore::builder("db")
+///     .limit(1)
+///     .acquire_timeout(Duration::from_millis(10))
+///     .build(MemoryBackend::new())
+///     .unwrap();
+/// let _held = sem.acquire().await.unwrap();
+/// match sem.acquire().await {
+///     Err(Error::Timeout { waited }) => assert!(waited >= Duration::from_millis(10)),
+///     other => panic!("expected a timeout, got {other:?}"),
+/// }
+/// assert!(matches!(sem.acquire_many(2).await, Err(Error::Config(_))));
+/// # }
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The semaphore or the request was set up wrongly (limit 0, empty name, weight above the
+    /// limit, a malformed Redis URL...). Retrying does not help: fix the configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// No permit became free within the acquire timeout.
+    #[error(
+        "no permit became free within {waited:?}; raise the semaphore's limit or acquire_timeout, \
+         or shed load"
+    )]
+    Timeout {
+        /// How long the caller waited.
+        waited: Duration,
+    },
+
+    /// The backend failed: Redis unreachable or too slow, a script error, or a key of the wrong
+    /// type under the key prefix. The message says which and what to do.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// What went wrong in a backend, with the client library's error as its
+/// [`source`](std::error::Error::source).
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct BackendError {
+    message: String,
+    #[source]
+    source: Option<Source>,
+}
+
+impl Error {
+    pub(crate) fn config(message: impl Into<String>) -> Self {
+        Error::Config(message.into())
+    }
+
+    pub(crate) fn backend(message: impl Into<String>, source: impl Into<Option<Source>>) -> Self {
+        Error::Backend(BackendError {
+            message: message.into(),
+            source: source.into(),
+        })
+    }
+}

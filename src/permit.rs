@@ -1,0 +1,150 @@
+//! The permit guard: who holds it, its fencing token, its lease, and release on drop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::backend::Handle;
+use crate::semaphore::Inner;
+
+/// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
+///
+/// Dropping a permit releases it in the background (off the caller's path);
+/// [`release`](Permit::release) does it now and reports errors. Either way a holder that dies
+/// without releasing keeps its slot only until its lease ends.
+///
+/// # Example
+///
+/// ```
+/// use tower_distributed_limit::{MemoryBackend, Semaphore};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+/// let sem = Semaphore::builder("reports").limit(3).build(MemoryBackend::new())?;
+/// let mut permit = sem.acquire_many(2).await?;
+/// assert_eq!(permit.weight(), 2);
+/// assert_eq!(permit.id().len(), 32);
+/// assert!(!permit.is_lost());
+/// // Pass the token to a resource that refuses writes carrying an older one.
+/// let token: u64 = permit.fencing_token();
+/// # let _ = token;
+/// permit.release().await?;
+/// permit.release().await?; // releasing twice is harmless
+/// assert_eq!(sem.available_permits().await?, 3);
+/// # Ok(()) }
+/// ```
+#[must_use = "a permit is released as soon as it is dropped"]
+pub struct Permit {
+    semaphore: Arc<Inner>,
+    /// `"<id>:<weight>"`: the holder as the backend stores it.
+    member: String,
+    weight: u32,
+    token: u64,
+    /// When the lease ends by this process's clock: the lease counted from the moment the
+    /// acquire request was sent, so never later than the backend's own deadline.
+    deadline: Instant,
+    released: bool,
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit")
+            .field("semaphore", &self.semaphore.name)
+            .field("id", &self.id())
+            .field("weight", &self.weight)
+            .field("fencing_token", &self.token)
+            .field("released", &self.released)
+            .finish()
+    }
+}
+
+impl Permit {
+    pub(crate) fn new(
+        semaphore: Arc<Inner>,
+        member: String,
+        weight: u32,
+        token: u64,
+        deadline: Instant,
+    ) -> Self {
+        Permit {
+            semaphore,
+            member,
+            weight,
+            token,
+            deadline,
+            released: false,
+        }
+    }
+
+    /// Unique per acquisition (a random 128-bit id, hex), never reused.
+    pub fn id(&self) -> &str {
+        self.member
+            .split_once(':')
+            .map_or(self.member.as_str(), |(id, _)| id)
+    }
+
+    /// How many permits this guard holds.
+    pub fn weight(&self) -> u32 {
+        self.weight
+    }
+
+    /// Strictly increasing per semaphore across all processes: a resource that remembers the
+    /// highest token it saw can refuse a holder that was paused past its lease.
+    pub fn fencing_token(&self) -> u64 {
+        self.token
+    }
+
+    /// True once the lease has ended: another holder may have this slot now.
+    pub fn is_lost(&self) -> bool {
+        Instant::now() >= self.deadline
+    }
+
+    /// Resolves when the lease ends (at once if it has).
+    pub async fn lost(&self) {
+        tokio::time::sleep_until(self.deadline).await;
+    }
+
+    /// How long until the lease ends (zero once lost).
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    /// Gives the permit back now and reports whether the backend took it. Idempotent: after a
+    /// success further calls do nothing; after an error, calling again (or dropping) retries.
+    pub async fn release(&mut self) -> Result<(), Error> {
+        if !self.released {
+            self.semaphore.handle.release(&self.member).await?;
+            self.released = true;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.released {
+            release_in_background(
+                self.semaphore.handle.clone(),
+                std::mem::take(&mut self.member),
+            );
+        }
+    }
+}
+
+/// Releases `member` on a spawned task. Outside a tokio runtime nothing can be sent; the slot
+/// then comes back when its lease ends.
+pub(crate) fn release_in_background(handle: Arc<dyn Handle>, member: String) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!(
+            holder = %member,
+            "permit dropped outside a tokio runtime: its slot frees when its lease ends"
+        );
+        return;
+    };
+    runtime.spawn(async move {
+        if let Err(e) = handle.release(&member).await {
+            tracing::warn!(holder = %member, error = %e, "background release failed: the slot frees when its lease ends");
+        }
+    });
+}

@@ -1,0 +1,334 @@
+//! The semaphore: validated settings, one-shot and waiting acquisition.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::backend::{Attempt, Backend, Handle};
+use crate::permit::{Permit, release_in_background};
+use crate::waitlist::{Ticket, Wake};
+
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest lease: leases travel to Redis as 32-bit milliseconds (about 49 days).
+const MAX_LEASE: Duration = Duration::from_millis(u32::MAX as u64);
+/// The oldest waiter's safety-net retry when no notification comes: a lost pub/sub message
+/// costs at most this long (jittered, doubling to the cap), never a busy loop.
+const BACKOFF_START: Duration = Duration::from_millis(500);
+const BACKOFF_CAP: Duration = Duration::from_secs(4);
+
+/// A counting semaphore shared by every process that builds one with the same name on the same
+/// backend: at most [`limit`](Semaphore::limit) permits are out at once, across all of them.
+///
+/// Cheap to clone; clones share everything. Permits are [`Permit`] guards: dropping one gives
+/// it back. A holder that dies keeps its slot only until its lease runs out.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_distributed_limit::{MemoryBackend, Semaphore};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+/// // In production: RedisBackend::connect("redis://...").await?
+/// let sem = Semaphore::builder("llm-api")
+///     .limit(2)
+///     .lease(Duration::from_secs(30))
+///     .acquire_timeout(Duration::from_secs(10))
+///     .build(MemoryBackend::new())?;
+///
+/// let first = sem.acquire().await?;
+/// let second = sem.try_acquire().await?.expect("one permit was still free");
+/// assert!(second.fencing_token() > first.fencing_token());
+/// assert!(sem.try_acquire().await?.is_none()); // full
+/// assert_eq!(sem.available_permits().await?, 0);
+/// drop(first);
+/// let _third = sem.acquire().await?; // the dropped permit came back
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Semaphore {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) name: String,
+    limit: u32,
+    lease: Duration,
+    acquire_timeout: Duration,
+    pub(crate) handle: Arc<dyn Handle>,
+}
+
+impl std::fmt::Debug for Semaphore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Semaphore")
+            .field("name", &self.inner.name)
+            .field("limit", &self.inner.limit)
+            .field("lease", &self.inner.lease)
+            .field("acquire_timeout", &self.inner.acquire_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Settings for a [`Semaphore`]; made by [`Semaphore::builder`].
+///
+/// # Example
+///
+/// ```
+/// use tower_distributed_limit::{Error, MemoryBackend, Semaphore};
+///
+/// let err = Semaphore::builder("db").build(MemoryBackend::new()).unwrap_err();
+/// assert!(matches!(err, Error::Config(_))); // the limit is required
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct SemaphoreBuilder {
+    name: String,
+    limit: Option<u32>,
+    lease: Duration,
+    acquire_timeout: Duration,
+}
+
+impl SemaphoreBuilder {
+    /// How many permits may be out at once, across every process (required, at least 1).
+    pub fn limit(mut self, limit: u32) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+
+    /// How long a holder that stops answering keeps its slot (default 30 s, at least 1 ms).
+    /// A crashed process's permits come back after this long.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long [`Semaphore::acquire`] waits for a permit before
+    /// [`Error::Timeout`] (default 10 s, more than zero).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Checks the settings and opens the semaphore on `backend`.
+    ///
+    /// Fails with [`Error::Config`] for an empty name, a missing or zero limit, a lease under
+    /// 1 ms or over 49 days, or a zero acquire timeout.
+    pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
+        if self.name.is_empty() {
+            return Err(Error::config(
+                "the semaphore name is empty; every process sharing the limit must use the same non-empty name",
+            ));
+        }
+        let limit = match self.limit {
+            None => {
+                return Err(Error::config(format!(
+                    "semaphore {:?} has no limit; call .limit(n) with n >= 1",
+                    self.name
+                )));
+            }
+            Some(0) => {
+                return Err(Error::config(format!(
+                    "semaphore {:?} has limit 0, which admits nobody; use a limit of at least 1",
+                    self.name
+                )));
+            }
+            Some(limit) => limit,
+        };
+        if self.lease < Duration::from_millis(1) || self.lease > MAX_LEASE {
+            return Err(Error::config(format!(
+                "semaphore {:?}: lease {:?} is outside 1 ms ..= 49 days",
+                self.name, self.lease
+            )));
+        }
+        if self.acquire_timeout.is_zero() {
+            return Err(Error::config(format!(
+                "semaphore {:?}: acquire_timeout is zero; use try_acquire for a single attempt",
+                self.name
+            )));
+        }
+        let handle = backend.open(&self.name);
+        Ok(Semaphore {
+            inner: Arc::new(Inner {
+                name: self.name,
+                limit,
+                lease: self.lease,
+                acquire_timeout: self.acquire_timeout,
+                handle,
+            }),
+        })
+    }
+}
+
+/// The outcome of one attempt, with the permit already guarded.
+enum Step {
+    Granted(Permit),
+    Full(Duration),
+}
+
+impl Semaphore {
+    /// Starts the settings of the semaphore called `name`: every process that uses the same
+    /// name on the same backend shares one limit.
+    pub fn builder(name: impl Into<String>) -> SemaphoreBuilder {
+        SemaphoreBuilder {
+            name: name.into(),
+            limit: None,
+            lease: DEFAULT_LEASE,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+        }
+    }
+
+    /// The name shared by every process.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// How many permits may be out at once.
+    pub fn limit(&self) -> u32 {
+        self.inner.limit
+    }
+
+    /// How long a silent holder keeps its slot.
+    pub fn lease(&self) -> Duration {
+        self.inner.lease
+    }
+
+    /// Takes one permit, waiting up to the acquire timeout for one to come free.
+    ///
+    /// Waiters in one process are served first come, first served and sleep until a release
+    /// is announced; they do not poll. Cancelling the returned future (dropping it, a timeout
+    /// around it) never leaks a permit.
+    pub async fn acquire(&self) -> Result<Permit, Error> {
+        self.acquire_many(1).await
+    }
+
+    /// Takes `weight` permits at once, as one holder, waiting like [`acquire`](Self::acquire).
+    ///
+    /// A weight of 0 or above the limit fails at once with [`Error::Config`].
+    pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
+        self.check_weight(weight)?;
+        let started = Instant::now();
+        match tokio::time::timeout(self.inner.acquire_timeout, self.wait_for(weight)).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::Timeout {
+                waited: started.elapsed(),
+            }),
+        }
+    }
+
+    /// One attempt at one permit: `Ok(None)` when the semaphore is full.
+    pub async fn try_acquire(&self) -> Result<Option<Permit>, Error> {
+        self.try_acquire_many(1).await
+    }
+
+    /// One attempt at `weight` permits: `Ok(None)` when they do not fit now.
+    ///
+    /// A weight of 0 or above the limit fails with [`Error::Config`].
+    pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
+        self.check_weight(weight)?;
+        Ok(match self.attempt(weight).await? {
+            Step::Granted(permit) => Some(permit),
+            Step::Full(_) => None,
+        })
+    }
+
+    /// The limit minus the weight of live (unexpired) holders, across every process.
+    pub async fn available_permits(&self) -> Result<u32, Error> {
+        let used = self.inner.handle.used().await?;
+        Ok(self.inner.limit.saturating_sub(used))
+    }
+
+    fn check_weight(&self, weight: u32) -> Result<(), Error> {
+        if weight == 0 || weight > self.inner.limit {
+            return Err(Error::config(format!(
+                "cannot take {weight} permits of semaphore {:?}: the weight must be 1 ..= its limit {}",
+                self.inner.name, self.inner.limit
+            )));
+        }
+        Ok(())
+    }
+
+    /// Waits for a permit without a deadline; [`acquire_many`](Self::acquire_many) bounds it.
+    async fn wait_for(&self, weight: u32) -> Result<Permit, Error> {
+        let list = self.inner.handle.waitlist();
+        // Nobody here waits yet: try at once. Otherwise queue behind those who came first.
+        let (ticket, mut retry_in) = if list.is_empty() {
+            let seen = list.missed();
+            match self.attempt(weight).await? {
+                Step::Granted(permit) => return Ok(permit),
+                Step::Full(retry_in) => (list.join(weight, Some(seen)), retry_in),
+            }
+        } else {
+            (list.join(weight, None), self.inner.lease)
+        };
+        let mut backoff = BACKOFF_START;
+        loop {
+            let how = ticket.wait(retry_in.min(jitter(backoff))).await;
+            let seen = list.missed();
+            match self.attempt(weight).await? {
+                Step::Granted(permit) => {
+                    Ticket::granted(ticket, how);
+                    return Ok(permit);
+                }
+                Step::Full(hint) => {
+                    ticket.rearm(seen);
+                    retry_in = hint;
+                    if how == Wake::Timer {
+                        backoff = (backoff * 2).min(BACKOFF_CAP);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One round trip to the backend. If the reply is lost (error, timeout, cancellation) the
+    /// holder may exist anyway, so it is released in the background.
+    async fn attempt(&self, weight: u32) -> Result<Step, Error> {
+        let member = format!("{:032x}:{weight}", fastrand::u128(..));
+        let sent = Instant::now();
+        let mut unanswered = Unanswered {
+            handle: &self.inner.handle,
+            member: &member,
+            armed: true,
+        };
+        let attempt = self
+            .inner
+            .handle
+            .acquire(&member, weight, self.inner.limit, self.inner.lease)
+            .await?;
+        unanswered.armed = false;
+        drop(unanswered);
+        Ok(match attempt {
+            Attempt::Granted { token, lease } => Step::Granted(Permit::new(
+                self.inner.clone(),
+                member,
+                weight,
+                token,
+                sent + lease,
+            )),
+            Attempt::Full { retry_in } => Step::Full(retry_in),
+        })
+    }
+}
+
+/// Releases a holder whose acquire call was sent but never answered.
+struct Unanswered<'a> {
+    handle: &'a Arc<dyn Handle>,
+    member: &'a str,
+    armed: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            release_in_background(self.handle.clone(), self.member.to_owned());
+        }
+    }
+}
+
+/// Spreads retries of many processes apart: 50 % to 100 % of `base`.
+fn jitter(base: Duration) -> Duration {
+    base.mul_f64(0.5 + fastrand::f64() * 0.5)
+}
