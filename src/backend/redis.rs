@@ -188,7 +188,7 @@ impl Open for RedisBackend {
         let base = format!("{}{{{}}}", self.prefix, name);
         let channel = format!("{base}:released");
         Arc::new(RedisSemaphore {
-            conn: self.shared.conn.clone(),
+            shared: self.shared.clone(),
             holders: format!("{base}:holders"),
             meta: format!("{base}:meta"),
             waitlist: self.shared.hub.waitlist(&channel),
@@ -198,7 +198,8 @@ impl Open for RedisBackend {
 }
 
 struct RedisSemaphore {
-    conn: ConnectionManager,
+    /// Keeps the connection and the notification hub alive as long as the semaphore.
+    shared: Arc<Shared>,
     holders: String,
     meta: String,
     channel: String,
@@ -215,7 +216,7 @@ impl RedisSemaphore {
 
     async fn run(&self, invocation: &ScriptInvocation<'_>, op: &str) -> Result<Value, Error> {
         invocation
-            .invoke_async(&mut self.conn.clone())
+            .invoke_async(&mut self.shared.conn.clone())
             .await
             .map_err(|e| redis_error(e, op))
     }

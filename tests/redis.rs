@@ -1,0 +1,303 @@
+//! Redis-only behaviour: several OS processes, crashes, keys left behind, bad servers.
+
+mod support;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tower_distributed_limit::{Error, RedisBackend, Semaphore};
+
+use support::{Redis, eventually};
+
+const ROLE: &str = "DLIMIT_TEST_ROLE";
+const URL: &str = "DLIMIT_TEST_URL";
+
+/// Starts this test binary again as a child process playing `role` against `redis`.
+fn spawn_child(redis: &Redis, role: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_process", "--nocapture"])
+        .env(ROLE, role)
+        .env(URL, &redis.url)
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn the test binary as a child")
+}
+
+/// Reads the child's stdout until a line starting with `DLIMIT ` and returns the rest.
+async fn child_says(child: &mut Child) -> String {
+    let stdout = child.stdout.as_mut().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let read = async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(said) = line.strip_prefix("DLIMIT ") {
+                return said.to_owned();
+            }
+        }
+        panic!("child exited without reporting");
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .expect("child reported in time")
+}
+
+/// The body of the child processes; a no-op unless started by `spawn_child`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "runs only as a child process of the other tests"]
+async fn child_process() {
+    let (Ok(role), Ok(url)) = (std::env::var(ROLE), std::env::var(URL)) else {
+        return;
+    };
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    match role.as_str() {
+        // 8 tasks x 25 rounds on a limit of 3, counting holders with an independent counter.
+        "hammer" => {
+            let sem = Semaphore::builder("shared")
+                .limit(3)
+                .acquire_timeout(Duration::from_secs(30))
+                .build(backend)
+                .unwrap();
+            let client = redis::Client::open(url.as_str()).unwrap();
+            let mut tasks = Vec::new();
+            for _ in 0..8 {
+                let sem = sem.clone();
+                let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+                tasks.push(tokio::spawn(async move {
+                    let mut max = 0i64;
+                    for _ in 0..25 {
+                        let permit = sem.acquire().await.unwrap();
+                        let now: i64 = redis::cmd("INCR")
+                            .arg("observed")
+                            .query_async(&mut conn)
+                            .await
+                            .unwrap();
+                        max = max.max(now);
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        let _: i64 = redis::cmd("DECR")
+                            .arg("observed")
+                            .query_async(&mut conn)
+                            .await
+                            .unwrap();
+                        drop(permit);
+                    }
+                    max
+                }));
+            }
+            let mut max = 0;
+            for task in tasks {
+                max = max.max(task.await.unwrap());
+            }
+            println!("DLIMIT max={max}");
+        }
+        // Takes 2 of 3 permits with a 1 s lease, reports, and waits to be killed.
+        "hold" => {
+            let sem = Semaphore::builder("crash")
+                .limit(3)
+                .lease(Duration::from_secs(1))
+                .build(backend)
+                .unwrap();
+            let permit = sem.acquire_many(2).await.unwrap();
+            println!("DLIMIT held {}", permit.fencing_token());
+            tokio::time::sleep(Duration::from_secs(120)).await;
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limit_holds_across_three_processes() {
+    let redis = Redis::start().await;
+    let mut children: Vec<Child> = (0..3).map(|_| spawn_child(&redis, "hammer")).collect();
+    let mut max = 0;
+    for child in &mut children {
+        let said = child_says(child).await;
+        let value: i64 = said.strip_prefix("max=").unwrap().parse().unwrap();
+        max = max.max(value);
+        assert!(child.wait().await.unwrap().success());
+    }
+    assert!(max <= 3, "{max} holders at once with a limit of 3");
+    assert!(
+        max >= 2,
+        "the processes never overlapped (max {max}): the test proved nothing"
+    );
+    // Every permit came back and nothing is left behind but the observer key.
+    let sem = Semaphore::builder("shared")
+        .limit(3)
+        .build(redis.backend().await)
+        .unwrap();
+    assert_eq!(sem.available_permits().await.unwrap(), 3);
+    eventually(
+        Duration::from_secs(5),
+        "only the observer key to remain",
+        || async { redis.dbsize().await == 1 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_holder_gives_its_permits_back_after_the_lease() {
+    let redis = Redis::start().await;
+    let mut child = spawn_child(&redis, "hold");
+    let said = child_says(&mut child).await;
+    let child_token: u64 = said.strip_prefix("held ").unwrap().parse().unwrap();
+    child.kill().await.unwrap();
+
+    let sem = Semaphore::builder("crash")
+        .limit(3)
+        .lease(Duration::from_secs(1))
+        .acquire_timeout(Duration::from_secs(5))
+        .build(redis.backend().await)
+        .unwrap();
+    // The dead process still holds 2 of 3 until its lease ends.
+    assert!(sem.try_acquire_many(2).await.unwrap().is_none());
+    let permit = sem.acquire_many(3).await.unwrap();
+    assert!(permit.fencing_token() > child_token);
+    drop(permit);
+    // Released and expired: no key outlives its holders.
+    eventually(Duration::from_secs(5), "every key to be gone", || async {
+        redis.dbsize().await == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expire_with_the_last_lease() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("ttl")
+        .limit(2)
+        .lease(Duration::from_secs(1))
+        .build(redis.backend().await)
+        .unwrap();
+    let permit = sem.acquire().await.unwrap();
+    assert_eq!(redis.dbsize().await, 2, "holders and meta");
+    let mut conn = redis.conn().await;
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("dlimit:{ttl}:holders")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!((1..=1000).contains(&ttl), "holders TTL {ttl} ms");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("dlimit:{ttl}:meta")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!((1..=1000).contains(&ttl), "meta TTL {ttl} ms");
+    // Redis drops both keys when the lease passes, even with nobody calling.
+    std::mem::forget(permit);
+    eventually(Duration::from_secs(3), "the keys to expire", || async {
+        redis.dbsize().await == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_does_not_poll_redis() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("quiet")
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(10))
+        .build(redis.backend().await)
+        .unwrap();
+    let mut held = sem.acquire().await.unwrap();
+    let before = redis.evalsha_calls().await;
+    let waiters: Vec<_> = (0..5)
+        .map(|_| {
+            let sem = sem.clone();
+            tokio::spawn(async move { sem.acquire().await.map(|p| p.fencing_token()) })
+        })
+        .collect();
+    // Time is the subject here: five waiters waiting 1.5 s.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during = redis.evalsha_calls().await - before;
+    // Each waiter tries when it arrives and once when the subscription is confirmed; only the
+    // oldest keeps a back-off timer. A 10 ms poller would have made ~750 calls.
+    assert!(
+        during <= 16,
+        "{during} script calls while 5 waiters waited 1.5 s"
+    );
+    held.release().await.unwrap();
+    for waiter in waiters {
+        assert!(waiter.await.unwrap().unwrap() > held.fencing_token());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_is_reloaded_after_script_flush() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("flush")
+        .limit(1)
+        .build(redis.backend().await)
+        .unwrap();
+    sem.acquire().await.unwrap().release().await.unwrap();
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    let mut permit = sem
+        .acquire()
+        .await
+        .expect("NOSCRIPT is answered by reloading");
+    permit.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_of_the_wrong_type_is_a_clear_error() {
+    let redis = Redis::start().await;
+    let _: () = redis::cmd("SET")
+        .arg("dlimit:{taken}:holders")
+        .arg("not a sorted set")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    let sem = Semaphore::builder("taken")
+        .limit(1)
+        .build(redis.backend().await)
+        .unwrap();
+    match sem.acquire().await {
+        Err(e @ Error::Backend(_)) => {
+            let message = e.to_string();
+            assert!(message.contains("another type"), "{message}");
+            assert!(message.contains("key_prefix"), "{message}");
+            assert!(std::error::Error::source(&e).is_some());
+        }
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+    // Another prefix keeps clear of the foreign key.
+    let sem = Semaphore::builder("taken")
+        .limit(1)
+        .build(redis.backend().await.key_prefix("other:"))
+        .unwrap();
+    let permit = sem.acquire().await.unwrap();
+    assert_eq!(permit.weight(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_redis_and_bad_urls_are_clear_errors() {
+    assert!(matches!(
+        RedisBackend::connect("not a url").await,
+        Err(Error::Config(_))
+    ));
+    // A port nobody listens on: a stopped test server.
+    let mut redis = Redis::start().await;
+    let url = redis.url.clone();
+    let backend = redis.backend().await;
+    redis.kill();
+    let started = std::time::Instant::now();
+    match RedisBackend::connect(&url).await {
+        Err(e @ Error::Backend(_)) => assert!(e.to_string().contains("Redis"), "{e}"),
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+    // A backend whose server went away answers with an error within the bound, not a hang.
+    let sem = Semaphore::builder("gone").limit(1).build(backend).unwrap();
+    assert!(matches!(sem.try_acquire().await, Err(Error::Backend(_))));
+    assert!(matches!(sem.acquire().await, Err(Error::Backend(_))));
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        started.elapsed()
+    );
+}

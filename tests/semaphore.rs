@@ -1,0 +1,345 @@
+//! Behaviour every backend shares: each body runs once on `MemoryBackend` and once on
+//! `RedisBackend` against a real redis-server.
+
+mod support;
+
+use std::time::Duration;
+
+use tower_distributed_limit::{Backend, Error, Semaphore};
+
+use support::eventually;
+
+/// Runs each listed body as `<name>::memory` and `<name>::redis`.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                super::$name(tower_distributed_limit::MemoryBackend::new()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                let redis = super::support::Redis::start().await;
+                super::$name(redis.backend().await).await;
+            }
+        }
+    )*};
+}
+
+on_both_backends!(
+    config_errors,
+    weighted_permits_add_up,
+    try_acquire_on_a_full_semaphore,
+    acquire_times_out,
+    cancelled_acquires_leak_nothing,
+    dropped_permits_come_back,
+    fencing_tokens_strictly_increase,
+    waiters_are_woken_by_a_release,
+    expired_lease_frees_the_slot,
+);
+
+fn sem(backend: impl Backend, limit: u32) -> Semaphore {
+    Semaphore::builder("test")
+        .limit(limit)
+        .build(backend)
+        .expect("valid settings")
+}
+
+async fn wait_until_available(sem: &Semaphore, expected: u32) {
+    eventually(
+        Duration::from_secs(5),
+        &format!("{expected} permits to be available"),
+        || async { sem.available_permits().await.unwrap() == expected },
+    )
+    .await;
+}
+
+fn assert_config(result: Result<impl std::fmt::Debug, Error>, mentions: &str) {
+    match result {
+        Err(Error::Config(message)) => assert!(
+            message.contains(mentions),
+            "message {message:?} should mention {mentions:?}"
+        ),
+        other => panic!("expected Error::Config mentioning {mentions:?}, got {other:?}"),
+    }
+}
+
+async fn config_errors(backend: impl Backend + Clone) {
+    let b = || backend.clone();
+    assert_config(Semaphore::builder("").limit(1).build(b()), "name is empty");
+    assert_config(Semaphore::builder("x").build(b()), "no limit");
+    assert_config(Semaphore::builder("x").limit(0).build(b()), "limit 0");
+    assert_config(
+        Semaphore::builder("x")
+            .limit(1)
+            .lease(Duration::ZERO)
+            .build(b()),
+        "lease",
+    );
+    assert_config(
+        Semaphore::builder("x")
+            .limit(1)
+            .lease(Duration::from_secs(60 * 24 * 3600))
+            .build(b()),
+        "lease",
+    );
+    assert_config(
+        Semaphore::builder("x")
+            .limit(1)
+            .acquire_timeout(Duration::ZERO)
+            .build(b()),
+        "acquire_timeout",
+    );
+
+    // Bad weights are refused at once, even while the semaphore is full and acquire would wait.
+    let sem = sem(b(), 2);
+    let _held = sem.acquire_many(2).await.unwrap();
+    let at_once = Duration::from_secs(1);
+    assert_config(
+        tokio::time::timeout(at_once, sem.acquire_many(3))
+            .await
+            .unwrap(),
+        "weight",
+    );
+    assert_config(
+        tokio::time::timeout(at_once, sem.acquire_many(0))
+            .await
+            .unwrap(),
+        "weight",
+    );
+    assert_config(sem.try_acquire_many(3).await, "weight");
+    assert_config(sem.try_acquire_many(0).await, "weight");
+    // u32::MAX is a valid limit.
+    let huge = Semaphore::builder("huge")
+        .limit(u32::MAX)
+        .build(b())
+        .unwrap();
+    let all = huge.acquire_many(u32::MAX).await.unwrap();
+    assert!(huge.try_acquire().await.unwrap().is_none());
+    drop(all);
+}
+
+async fn weighted_permits_add_up(backend: impl Backend + Clone) {
+    let sem = sem(backend, 5);
+    let mut three = sem.acquire_many(3).await.unwrap();
+    assert_eq!(three.weight(), 3);
+    assert_eq!(sem.available_permits().await.unwrap(), 2);
+    assert!(sem.try_acquire_many(3).await.unwrap().is_none());
+    let two = sem.try_acquire_many(2).await.unwrap().expect("2 of 5 free");
+    assert_eq!(sem.available_permits().await.unwrap(), 0);
+    assert!(sem.try_acquire().await.unwrap().is_none());
+    three.release().await.unwrap();
+    assert_eq!(sem.available_permits().await.unwrap(), 3);
+    // Releasing again changes nothing.
+    three.release().await.unwrap();
+    assert_eq!(sem.available_permits().await.unwrap(), 3);
+    let _three_again = sem.try_acquire_many(3).await.unwrap().expect("3 free");
+    drop(two);
+    wait_until_available(&sem, 2).await;
+}
+
+async fn try_acquire_on_a_full_semaphore(backend: impl Backend + Clone) {
+    let sem = sem(backend, 2);
+    let mut a = sem.try_acquire().await.unwrap().expect("empty semaphore");
+    let b = sem.try_acquire().await.unwrap().expect("one left");
+    assert_ne!(a.id(), b.id());
+    assert!(sem.try_acquire().await.unwrap().is_none());
+    a.release().await.unwrap();
+    let c = sem.try_acquire().await.unwrap().expect("a was released");
+    assert!(c.fencing_token() > b.fencing_token());
+}
+
+async fn acquire_times_out(backend: impl Backend + Clone) {
+    let sem = Semaphore::builder("test")
+        .limit(1)
+        .acquire_timeout(Duration::from_millis(300))
+        .build(backend)
+        .unwrap();
+    let _held = sem.acquire().await.unwrap();
+    match sem.acquire().await {
+        Err(e @ Error::Timeout { waited }) => {
+            assert!(
+                waited >= Duration::from_millis(300),
+                "waited only {waited:?}"
+            );
+            assert!(waited < Duration::from_secs(3), "waited {waited:?}");
+            assert!(e.to_string().contains("acquire_timeout"), "{e}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    // The timed-out waiter left nothing behind.
+    assert_eq!(sem.available_permits().await.unwrap(), 0);
+}
+
+async fn cancelled_acquires_leak_nothing(backend: impl Backend + Clone) {
+    // A 30 s lease: anything leaked would stay taken far longer than this test waits.
+    let sem = Semaphore::builder("test")
+        .limit(3)
+        .lease(Duration::from_secs(30))
+        .build(backend)
+        .unwrap();
+    // Waiters cancelled while the semaphore is full...
+    let held: Vec<_> = futures_join(3, |_| sem.acquire()).await;
+    let mut waiters = Vec::new();
+    for i in 0..40u64 {
+        let sem = sem.clone();
+        waiters.push(tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_millis(i % 7), sem.acquire()).await;
+        }));
+    }
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+    drop(held);
+    wait_until_available(&sem, 3).await;
+    // ...and acquires aborted at every point of their round trip while permits are free.
+    let mut tasks = Vec::new();
+    for i in 0..200u64 {
+        let sem = sem.clone();
+        let task = tokio::spawn(async move {
+            let permit = sem.acquire().await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            drop(permit);
+        });
+        if i % 3 == 0 {
+            tokio::task::yield_now().await;
+        }
+        task.abort();
+        tasks.push(task);
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    wait_until_available(&sem, 3).await;
+    let all = sem.acquire_many(3).await.unwrap();
+    assert_eq!(all.weight(), 3);
+}
+
+/// Acquires `n` permits one after another.
+async fn futures_join<F, Fut>(n: usize, mut f: F) -> Vec<tower_distributed_limit::Permit>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<tower_distributed_limit::Permit, Error>>,
+{
+    let mut permits = Vec::new();
+    for i in 0..n {
+        permits.push(f(i).await.unwrap());
+    }
+    permits
+}
+
+async fn dropped_permits_come_back(backend: impl Backend + Clone) {
+    let sem = sem(backend, 2);
+    let a = sem.acquire().await.unwrap();
+    let b = sem.acquire_many(1).await.unwrap();
+    assert_eq!(sem.available_permits().await.unwrap(), 0);
+    drop(a);
+    drop(b);
+    wait_until_available(&sem, 2).await;
+}
+
+async fn fencing_tokens_strictly_increase(backend: impl Backend + Clone) {
+    let sem = sem(backend.clone(), 4);
+    let other = Semaphore::builder("test").limit(4).build(backend).unwrap();
+    let mut last = 0;
+    for round in 0..20 {
+        let which = if round % 2 == 0 { &sem } else { &other };
+        let mut permit = which.acquire().await.unwrap();
+        assert!(
+            permit.fencing_token() > last,
+            "token {} after {last}",
+            permit.fencing_token()
+        );
+        last = permit.fencing_token();
+        // Every other round the semaphore empties, so its keys go away in between.
+        if round % 2 == 0 {
+            permit.release().await.unwrap();
+        }
+    }
+    // Concurrent holders get distinct tokens too.
+    let mut tokens = Vec::new();
+    let permits = futures_join(4, |_| sem.acquire()).await;
+    tokens.extend(permits.iter().map(|p| p.fencing_token()));
+    tokens.dedup();
+    assert_eq!(tokens.len(), 4);
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]));
+}
+
+async fn waiters_are_woken_by_a_release(backend: impl Backend + Clone) {
+    let sem = Semaphore::builder("test")
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(20))
+        .build(backend)
+        .unwrap();
+    let mut held = sem.acquire().await.unwrap();
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move {
+            let permit = sem.acquire().await.unwrap();
+            (tokio::time::Instant::now(), permit.fencing_token())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let released = tokio::time::Instant::now();
+    held.release().await.unwrap();
+    let (granted, token) = waiter.await.unwrap();
+    assert!(token > held.fencing_token());
+    // The waiter's fallback timer is at least 250 ms out; only the release can wake it sooner.
+    let after = granted - released;
+    assert!(
+        after < Duration::from_millis(150),
+        "granted {after:?} after the release"
+    );
+}
+
+async fn expired_lease_frees_the_slot(backend: impl Backend + Clone) {
+    let sem = Semaphore::builder("test")
+        .limit(1)
+        .lease(Duration::from_secs(1))
+        .acquire_timeout(Duration::from_secs(5))
+        .build(backend)
+        .unwrap();
+    let stale = sem.acquire().await.unwrap();
+    assert!(!stale.is_lost());
+    let started = tokio::time::Instant::now();
+    // Nobody releases: the waiter gets the slot when the lease runs out, not before.
+    let next = sem.acquire().await.unwrap();
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(800),
+        "got the slot after {waited:?}"
+    );
+    assert!(waited < Duration::from_secs(3), "waited {waited:?}");
+    assert!(stale.is_lost());
+    tokio::time::timeout(Duration::from_millis(10), stale.lost())
+        .await
+        .expect("lost() resolves once the lease is over");
+    assert!(next.fencing_token() > stale.fencing_token());
+    // The stale guard's late release must not free the new holder's slot.
+    let mut stale = stale;
+    stale.release().await.unwrap();
+    assert_eq!(sem.available_permits().await.unwrap(), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn waiters_in_one_process_are_served_in_arrival_order() {
+    let sem = sem(tower_distributed_limit::MemoryBackend::new(), 1);
+    let held = sem.acquire().await.unwrap();
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..5 {
+        let (sem, order) = (sem.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = sem.acquire().await.unwrap();
+            order.lock().unwrap().push(i);
+        }));
+        // Let the new task run until it is queued.
+        tokio::task::yield_now().await;
+    }
+    drop(held);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+}
