@@ -33,16 +33,43 @@
 //! drop(permit);                                  // released in the background
 //! # Ok(()) }
 //! ```
+//!
+//! # Tower layer
+//!
+//! [`DistributedConcurrencyLimitLayer`] puts the limit in front of any tower service that takes
+//! `http::Request`s. On an axum `Router`, [`http`](DistributedConcurrencyLimitLayer::http)
+//! answers a request that gets no permit with 503 and `Retry-After` and holds the permit until
+//! the response body ends; on a client stack (hyper, tonic) the refusal is an error that
+//! downcasts to [`Error`]. The handler sees the permit's [`FencingToken`], and [`Partitions`]
+//! give each key (an API key, a tenant) its own limit. See the [`layer`] module.
+//!
+//! ```
+//! use axum::{Extension, Router, routing::get};
+//! use tower_distributed_limit::{DistributedConcurrencyLimitLayer, FencingToken, MemoryBackend, Semaphore};
+//!
+//! # fn main() -> Result<(), tower_distributed_limit::Error> {
+//! let sem = Semaphore::builder("legacy-db").limit(30).build(MemoryBackend::new())?;
+//! let app: Router = Router::new()
+//!     .route("/", get(|Extension(token): Extension<FencingToken>| async move { token.0.to_string() }))
+//!     .layer(DistributedConcurrencyLimitLayer::new(sem).http());
+//! # let _ = app;
+//! # Ok(()) }
+//! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;
 mod error;
+pub mod layer;
 mod permit;
 mod semaphore;
 mod waitlist;
 
 pub use backend::{Backend, MemoryBackend, RedisBackend};
 pub use error::{BackendError, Error};
+pub use layer::{
+    DistributedConcurrencyLimitLayer, FencingToken, HttpConcurrencyLimitLayer, Partitions,
+    WithoutKey,
+};
 pub use permit::Permit;
 pub use semaphore::{Semaphore, SemaphoreBuilder};

@@ -6,12 +6,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::backend::Handle;
+use crate::backend::Member;
 use crate::semaphore::Inner;
 
 /// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
 ///
-/// Dropping a permit releases it in the background (off the caller's path);
+/// Dropping a permit releases it in the background (off the caller's path: with the Redis
+/// backend, the release rides along with this process's next call for the semaphore, or a
+/// spawned task sends it);
 /// [`release`](Permit::release) does it now and reports errors. Either way a holder that dies
 /// without releasing keeps its slot only until its lease ends.
 ///
@@ -37,9 +39,7 @@ use crate::semaphore::Inner;
 #[must_use = "a permit is released as soon as it is dropped"]
 pub struct Permit {
     semaphore: Arc<Inner>,
-    /// `"<id>:<weight>"`: the holder as the backend stores it.
-    member: String,
-    weight: u32,
+    member: Member,
     token: u64,
     /// When the lease ends by this process's clock: the lease counted from the moment the
     /// acquire request was sent, so never later than the backend's own deadline.
@@ -52,7 +52,7 @@ impl std::fmt::Debug for Permit {
         f.debug_struct("Permit")
             .field("semaphore", &self.semaphore.name)
             .field("id", &self.id())
-            .field("weight", &self.weight)
+            .field("weight", &self.member.weight)
             .field("fencing_token", &self.token)
             .field("released", &self.released)
             .finish()
@@ -62,15 +62,13 @@ impl std::fmt::Debug for Permit {
 impl Permit {
     pub(crate) fn new(
         semaphore: Arc<Inner>,
-        member: String,
-        weight: u32,
+        member: Member,
         token: u64,
         deadline: Instant,
     ) -> Self {
         Permit {
             semaphore,
             member,
-            weight,
             token,
             deadline,
             released: false,
@@ -79,14 +77,12 @@ impl Permit {
 
     /// Unique per acquisition (a random 128-bit id, hex), never reused.
     pub fn id(&self) -> &str {
-        self.member
-            .split_once(':')
-            .map_or(self.member.as_str(), |(id, _)| id)
+        self.member.id()
     }
 
     /// How many permits this guard holds.
     pub fn weight(&self) -> u32 {
-        self.weight
+        self.member.weight
     }
 
     /// Strictly increasing per semaphore across all processes: a resource that remembers the
@@ -124,27 +120,7 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if !self.released {
-            release_in_background(
-                self.semaphore.handle.clone(),
-                std::mem::take(&mut self.member),
-            );
+            self.semaphore.handle.release_later(self.member.clone());
         }
     }
-}
-
-/// Releases `member` on a spawned task. Outside a tokio runtime nothing can be sent; the slot
-/// then comes back when its lease ends.
-pub(crate) fn release_in_background(handle: Arc<dyn Handle>, member: String) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        tracing::warn!(
-            holder = %member,
-            "permit dropped outside a tokio runtime: its slot frees when its lease ends"
-        );
-        return;
-    };
-    runtime.spawn(async move {
-        if let Err(e) = handle.release(&member).await {
-            tracing::warn!(holder = %member, error = %e, "background release failed: the slot frees when its lease ends");
-        }
-    });
 }

@@ -6,18 +6,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::backend::{Attempt, Backend, Handle};
-use crate::permit::{Permit, release_in_background};
-use crate::waitlist::{Ticket, Wake};
+use crate::backend::{Attempt, Backend, Handle, KEEPALIVE, Member};
+use crate::permit::Permit;
+use crate::waitlist::Event;
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest lease: leases travel to Redis as 32-bit milliseconds (about 49 days).
 const MAX_LEASE: Duration = Duration::from_millis(u32::MAX as u64);
-/// The oldest waiter's safety-net retry when no notification comes: a lost pub/sub message
-/// costs at most this long (jittered, doubling to the cap), never a busy loop.
-const BACKOFF_START: Duration = Duration::from_millis(500);
-const BACKOFF_CAP: Duration = Duration::from_secs(4);
 
 /// A counting semaphore shared by every process that builds one with the same name on the same
 /// backend: at most [`limit`](Semaphore::limit) permits are out at once, across all of them.
@@ -149,7 +145,7 @@ impl SemaphoreBuilder {
                 self.name
             )));
         }
-        let handle = backend.open(&self.name);
+        let handle = backend.open(&self.name, limit);
         Ok(Semaphore {
             inner: Arc::new(Inner {
                 name: self.name,
@@ -160,12 +156,6 @@ impl SemaphoreBuilder {
             }),
         })
     }
-}
-
-/// The outcome of one attempt, with the permit already guarded.
-enum Step {
-    Granted(Permit),
-    Full(Duration),
 }
 
 impl Semaphore {
@@ -223,15 +213,30 @@ impl Semaphore {
         self.try_acquire_many(1).await
     }
 
-    /// One attempt at `weight` permits: `Ok(None)` when they do not fit now.
+    /// One attempt at `weight` permits: `Ok(None)` when they do not fit now, or when others
+    /// are already waiting for them (a one-shot attempt does not jump the line).
     ///
     /// A weight of 0 or above the limit fails with [`Error::Config`].
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
         self.check_weight(weight)?;
-        Ok(match self.attempt(weight).await? {
-            Step::Granted(permit) => Some(permit),
-            Step::Full(_) => None,
-        })
+        let mut pending = Pending::new(&self.inner.handle, weight, self.inner.lease);
+        let sent = Instant::now();
+        match self
+            .inner
+            .handle
+            .acquire(&pending.member, false, true)
+            .await?
+        {
+            Attempt::Granted { token, lease } => {
+                Ok(Some(self.permit(pending, token, sent + lease)))
+            }
+            Attempt::Full => {
+                pending.armed = false;
+                Ok(None)
+            }
+            // Not asked for; the pending guard takes the member out of the line again.
+            Attempt::Queued { .. } => Ok(None),
+        }
     }
 
     /// The limit minus the weight of live (unexpired) holders, across every process.
@@ -251,84 +256,79 @@ impl Semaphore {
     }
 
     /// Waits for a permit without a deadline; [`acquire_many`](Self::acquire_many) bounds it.
+    ///
+    /// One call queues the waiter in the backend's line (or grants at once); the grant is
+    /// then announced to this process's waitlist, so waiting costs no further round trip.
     async fn wait_for(&self, weight: u32) -> Result<Permit, Error> {
-        let list = self.inner.handle.waitlist();
-        // Nobody here waits yet: try at once. Otherwise queue behind those who came first.
-        let (ticket, mut retry_in) = if list.is_empty() {
-            let seen = list.missed();
-            match self.attempt(weight).await? {
-                Step::Granted(permit) => return Ok(permit),
-                Step::Full(retry_in) => (list.join(weight, Some(seen)), retry_in),
-            }
-        } else {
-            (list.join(weight, None), self.inner.lease)
-        };
-        let mut backoff = BACKOFF_START;
+        let handle = &self.inner.handle;
+        let pending = Pending::new(handle, weight, self.inner.lease);
+        let ticket = handle.waitlist().register(pending.member.text.clone());
+        let mut first = true;
         loop {
-            let how = ticket.wait(retry_in.min(jitter(backoff))).await;
-            let seen = list.missed();
-            match self.attempt(weight).await? {
-                Step::Granted(permit) => {
-                    Ticket::granted(ticket, how);
-                    return Ok(permit);
+            let sent = Instant::now();
+            let attempt = handle.acquire(&pending.member, true, first).await?;
+            first = false;
+            let mut refresh = match attempt {
+                Attempt::Granted { token, lease } => {
+                    return Ok(self.permit(pending, token, sent + lease));
                 }
-                Step::Full(hint) => {
-                    ticket.rearm(seen);
-                    retry_in = hint;
-                    if how == Wake::Timer {
-                        backoff = (backoff * 2).min(BACKOFF_CAP);
+                Attempt::Queued { retry_in } => retry_in,
+                Attempt::Full => {
+                    return Err(Error::backend(
+                        "the backend refused to queue a waiter; this is a bug, please report it",
+                        None,
+                    ));
+                }
+            };
+            ticket.queued();
+            loop {
+                match ticket.wait(refresh.min(KEEPALIVE)).await {
+                    Event::Granted { token, lease, at } => {
+                        return Ok(self.permit(pending, token, at + lease));
+                    }
+                    // The backend dropped this waiter from its line: ask again.
+                    Event::Retry => break,
+                    Event::Touch => {
+                        let list = handle.waitlist();
+                        let members = list.queued_members();
+                        let (statuses, retry_in) = handle.touch(&members).await?;
+                        list.apply(&members, &statuses);
+                        refresh = retry_in;
                     }
                 }
             }
         }
     }
 
-    /// One round trip to the backend. If the reply is lost (error, timeout, cancellation) the
-    /// holder may exist anyway, so it is released in the background.
-    async fn attempt(&self, weight: u32) -> Result<Step, Error> {
-        let member = format!("{:032x}:{weight}", fastrand::u128(..));
-        let sent = Instant::now();
-        let mut unanswered = Unanswered {
-            handle: &self.inner.handle,
-            member: &member,
-            armed: true,
-        };
-        let attempt = self
-            .inner
-            .handle
-            .acquire(&member, weight, self.inner.limit, self.inner.lease)
-            .await?;
-        unanswered.armed = false;
-        drop(unanswered);
-        Ok(match attempt {
-            Attempt::Granted { token, lease } => Step::Granted(Permit::new(
-                self.inner.clone(),
-                member,
-                weight,
-                token,
-                sent + lease,
-            )),
-            Attempt::Full { retry_in } => Step::Full(retry_in),
-        })
+    fn permit(&self, mut pending: Pending<'_>, token: u64, deadline: Instant) -> Permit {
+        pending.armed = false;
+        Permit::new(self.inner.clone(), pending.member.clone(), token, deadline)
     }
 }
 
-/// Releases a holder whose acquire call was sent but never answered.
-struct Unanswered<'a> {
+/// An acquisition under way: until it turns into a [`Permit`], dropping it (an error, a
+/// timeout, a cancelled future) takes the member out of the backend in the background, in
+/// case the backend holds or queues it.
+struct Pending<'a> {
     handle: &'a Arc<dyn Handle>,
-    member: &'a str,
+    member: Member,
     armed: bool,
 }
 
-impl Drop for Unanswered<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            release_in_background(self.handle.clone(), self.member.to_owned());
+impl<'a> Pending<'a> {
+    fn new(handle: &'a Arc<dyn Handle>, weight: u32, lease: Duration) -> Self {
+        Pending {
+            handle,
+            member: Member::new(weight, lease),
+            armed: true,
         }
     }
 }
 
-/// Spreads retries of many processes apart: 50 % to 100 % of `base`.
-fn jitter(base: Duration) -> Duration {
-    base.mul_f64(0.5 + fastrand::f64() * 0.5)
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.handle.release_later(self.member.clone());
+        }
+    }
 }

@@ -1,10 +1,12 @@
-//! The waiters of one process on one semaphore: first come, first served, woken by releases.
+//! The waiters of one process on one semaphore, and the grants announced to them.
 //!
-//! A backend tells a [`Waitlist`] when permits were freed ([`Waitlist::wake`]); the list wakes as
-//! many waiters, oldest first, as the freed weight covers. Only the oldest waiter also keeps a
-//! timer (the earliest lease deadline, or a back-off in case a notification was lost), so a long
-//! queue does not poll. A backend that learns about releases over a subscription (Redis pub/sub)
-//! is asked to subscribe while the list has waiters, and to stop once it has been idle a while.
+//! The line itself lives in the backend (first come, first served across every process);
+//! when a waiter is admitted there, the backend announces the grant and [`Waitlist::grant`]
+//! hands it to the waiting task: no extra round trip, no polling. The oldest local waiter has
+//! one more duty: every [`KEEPALIVE`](crate::backend::KEEPALIVE), or when a lease is due to
+//! end, it refreshes all local waiters in one call and collects grants whose announcement was
+//! lost. A backend that announces over a subscription (Redis pub/sub) is asked to subscribe
+//! while the list has queued waiters, and to stop once it has been idle a while.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -13,20 +15,37 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
+use crate::backend::Status;
+
 /// Sends a waitlist that needs a subscription to the backend's subscriber task.
 pub(crate) type SubscribeRequests = mpsc::UnboundedSender<Arc<Waitlist>>;
 
-/// Every waitlist of one backend, by the key the backend's notifications carry.
+/// Every waitlist of one backend, by the key its announcements carry.
 pub(crate) struct Hub {
-    lists: Mutex<HashMap<Arc<str>, Weak<Waitlist>>>,
+    lists: Mutex<Lists>,
     subscribe: Option<SubscribeRequests>,
 }
 
+#[derive(Default)]
+struct Lists {
+    by_key: HashMap<Arc<str>, Weak<Waitlist>>,
+    /// Dead entries are swept when the map reaches this size, which then becomes twice the live
+    /// count: amortised O(1) per new key, and never more than twice the live lists.
+    sweep_at: usize,
+}
+
+/// Locks a mutex whose critical sections never panic midway; a poisoned lock is still usable.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Hub {
-    /// `subscribe` is `None` for a backend that notifies in-process and needs no subscription.
+    /// `subscribe` is `None` for a backend that announces in-process and needs no subscription.
     pub(crate) fn new(subscribe: Option<SubscribeRequests>) -> Self {
         Hub {
-            lists: Mutex::new(HashMap::new()),
+            lists: Mutex::default(),
             subscribe,
         }
     }
@@ -34,54 +53,49 @@ impl Hub {
     /// The waitlist for `key`, shared by every semaphore of that key on this backend.
     pub(crate) fn waitlist(&self, key: &str) -> Arc<Waitlist> {
         let mut lists = lock(&self.lists);
-        if let Some(list) = lists.get(key).and_then(Weak::upgrade) {
+        if let Some(list) = lists.by_key.get(key).and_then(Weak::upgrade) {
             return list;
         }
-        // Forget lists whose semaphores are all gone, so the map stays as small as the live set.
-        lists.retain(|_, list| list.strong_count() > 0);
+        if lists.by_key.len() >= lists.sweep_at {
+            // Forget lists whose semaphores are all gone.
+            lists.by_key.retain(|_, list| list.strong_count() > 0);
+            lists.sweep_at = (lists.by_key.len() * 2).max(64);
+        }
         let key: Arc<str> = key.into();
         let list = Arc::new(Waitlist {
             key: key.clone(),
             subscribe: self.subscribe.clone(),
             state: Mutex::new(State {
-                queue: VecDeque::new(),
-                next_id: 0,
-                missed: 0,
+                entries: VecDeque::new(),
                 subscription: if self.subscribe.is_some() {
                     Subscription::Off
                 } else {
                     Subscription::On
                 },
+                touch_now: false,
                 idle_since: Instant::now(),
             }),
         });
-        lists.insert(key, Arc::downgrade(&list));
+        lists.by_key.insert(key, Arc::downgrade(&list));
         list
     }
 
     /// The live waitlist for `key`, if any.
     pub(crate) fn get(&self, key: &str) -> Option<Arc<Waitlist>> {
-        lock(&self.lists).get(key).and_then(Weak::upgrade)
+        lock(&self.lists).by_key.get(key).and_then(Weak::upgrade)
     }
 
-    /// Wakes every waiter of every list: notifications may have been lost (a reconnect).
-    pub(crate) fn wake_everyone(&self) {
+    /// Announcements may have been lost (a reconnect): every list checks its waiters.
+    pub(crate) fn touch_everyone(&self) {
         let lists: Vec<_> = lock(&self.lists)
+            .by_key
             .values()
             .filter_map(Weak::upgrade)
             .collect();
         for list in lists {
-            list.wake_all();
+            list.touch_soon();
         }
     }
-}
-
-/// Locks a mutex whose holders never panic while holding it; a poisoned lock is still usable
-/// because every critical section leaves the state consistent.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -99,50 +113,63 @@ pub struct Waitlist {
 }
 
 struct State {
-    queue: VecDeque<Entry>,
-    next_id: u64,
-    /// Counts notifications that found nobody left to wake: a waiter whose attempt raced one
-    /// of them retries at once instead of sleeping through a free permit.
-    missed: u64,
+    /// In registration order; only `queued` entries wait in the backend's line.
+    entries: VecDeque<Entry>,
     subscription: Subscription,
+    /// The oldest queued waiter should refresh the line at once (announcements may be lost).
+    touch_now: bool,
     idle_since: Instant,
 }
 
 struct Entry {
-    id: u64,
-    weight: u32,
-    notified: bool,
+    member: Arc<str>,
+    queued: bool,
+    event: Option<Event>,
     signal: Arc<Notify>,
 }
 
-/// Why [`Ticket::wait`] returned.
+/// What a waiting task is told.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Wake {
-    /// A release notification chose this waiter.
-    Released,
-    /// The oldest waiter's timer ran out (a lease may have expired, or a notification was lost).
-    Timer,
+pub(crate) enum Event {
+    /// The backend admitted this waiter; `at` is when the grant arrived.
+    Granted {
+        token: u64,
+        lease: Duration,
+        at: Instant,
+    },
+    /// The backend no longer knows this waiter (it stopped answering in time): ask again.
+    Retry,
+    /// This waiter is the oldest and should refresh the line.
+    Touch,
 }
 
 impl State {
-    /// Marks waiters notified, oldest first, until `weight` permits are accounted for.
-    fn wake(&mut self, weight: u32) {
-        let mut left = i64::from(weight);
-        for entry in self.queue.iter_mut().filter(|entry| !entry.notified) {
-            if left <= 0 {
-                return;
-            }
-            entry.notified = true;
-            entry.signal.notify_one();
-            left -= i64::from(entry.weight);
-        }
-        if left > 0 {
-            self.missed += 1;
+    fn position(&self, member: &str) -> Option<usize> {
+        self.entries
+            .iter()
+            .position(|entry| &*entry.member == member)
+    }
+
+    /// The oldest queued waiter keeps the timer and refreshes the line.
+    fn duty(&self) -> Option<usize> {
+        self.entries.iter().position(|entry| entry.queued)
+    }
+
+    fn notify_duty(&self) {
+        if let Some(index) = self.duty() {
+            self.entries[index].signal.notify_one();
         }
     }
 
-    fn position(&self, id: u64) -> Option<usize> {
-        self.queue.iter().position(|entry| entry.id == id)
+    /// Gives `member` an event unless it already has a grant waiting.
+    fn tell(&mut self, member: &str, event: Event) {
+        if let Some(index) = self.position(member) {
+            let entry = &mut self.entries[index];
+            if !matches!(entry.event, Some(Event::Granted { .. })) {
+                entry.event = Some(event);
+                entry.signal.notify_one();
+            }
+        }
     }
 }
 
@@ -156,47 +183,53 @@ impl Waitlist {
         lock(&self.state)
     }
 
-    /// True when nobody in this process waits: a new caller may try straight away.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.state().queue.is_empty()
-    }
-
-    /// A snapshot to take before an attempt, for [`Waitlist::join`] and [`Ticket::rearm`].
-    pub(crate) fn missed(&self) -> u64 {
-        self.state().missed
-    }
-
-    /// `weight` permits were freed.
-    pub(crate) fn wake(&self, weight: u32) {
-        self.state().wake(weight);
-    }
-
-    /// Wakes every waiter once.
-    pub(crate) fn wake_all(&self) {
-        let mut state = self.state();
-        for entry in state.queue.iter_mut() {
-            entry.notified = true;
-            entry.signal.notify_one();
+    /// Registers `member` before its first attempt, so a grant announced right after the
+    /// attempt queued it cannot arrive before anyone listens.
+    pub(crate) fn register(self: &Arc<Self>, member: Arc<str>) -> Ticket {
+        let signal = Arc::new(Notify::new());
+        self.state().entries.push_back(Entry {
+            member: member.clone(),
+            queued: false,
+            event: None,
+            signal: signal.clone(),
+        });
+        Ticket {
+            list: self.clone(),
+            member,
+            signal,
         }
-        state.missed += 1;
     }
 
-    /// The subscriber task finished subscribing (`ok`) or failed to. Either way every waiter
-    /// tries again: releases before the subscription were not seen.
+    /// The backend admitted `member` (ignored unless it waits here).
+    pub(crate) fn grant(&self, member: &str, token: u64, lease: Duration) {
+        let at = Instant::now();
+        self.state()
+            .tell(member, Event::Granted { token, lease, at });
+    }
+
+    /// Asks the oldest waiter to refresh the line now.
+    pub(crate) fn touch_soon(&self) {
+        let mut state = self.state();
+        state.touch_now = true;
+        state.notify_duty();
+    }
+
+    /// The subscriber task subscribed (`ok`) or failed to. Grants announced before the
+    /// subscription were not heard, so the line is checked either way.
     pub(crate) fn subscribed(&self, ok: bool) {
         self.state().subscription = if ok {
             Subscription::On
         } else {
             Subscription::Off
         };
-        self.wake_all();
+        self.touch_soon();
     }
 
     /// Gives the subscription up if nobody has waited for `linger`. The state turns `Off`
     /// before the backend unsubscribes, so a waiter arriving meanwhile asks for a new one.
     pub(crate) fn release_subscription(&self, linger: Duration) -> bool {
         let mut state = self.state();
-        let idle = state.queue.is_empty() && state.idle_since.elapsed() >= linger;
+        let idle = state.duty().is_none() && state.idle_since.elapsed() >= linger;
         if idle && state.subscription == Subscription::On {
             state.subscription = Subscription::Off;
             return true;
@@ -204,123 +237,109 @@ impl Waitlist {
         false
     }
 
+    /// The members waiting in the backend's line, for one batched refresh.
+    pub(crate) fn queued_members(&self) -> Vec<Arc<str>> {
+        self.state()
+            .entries
+            .iter()
+            .filter(|entry| entry.queued)
+            .map(|entry| entry.member.clone())
+            .collect()
+    }
+
+    /// Applies what a refresh found: grants to deliver, forgotten waiters to retry.
+    pub(crate) fn apply(&self, members: &[Arc<str>], statuses: &[Status]) {
+        let at = Instant::now();
+        let mut state = self.state();
+        for (member, status) in members.iter().zip(statuses) {
+            match *status {
+                Status::Granted { token, lease } => {
+                    state.tell(member, Event::Granted { token, lease, at })
+                }
+                Status::Unknown => state.tell(member, Event::Retry),
+                Status::Queued => {}
+            }
+        }
+    }
+
     fn request_subscription(self: &Arc<Self>, state: &mut State) {
         if state.subscription != Subscription::Off {
             return;
         }
         if let Some(subscribe) = &self.subscribe {
-            // A closed channel means the backend is shutting down; the timers still work.
+            // A closed channel means the backend is shutting down; the refresh timer still works.
             if subscribe.send(self.clone()).is_ok() {
                 state.subscription = Subscription::Pending;
             }
         }
     }
-
-    /// Queues a waiter of `weight` at the back. `seen` is the [`Waitlist::missed`] snapshot
-    /// taken before the attempt that found the semaphore full, if there was one: if a release
-    /// went unclaimed since, the new waiter starts out notified and tries again at once.
-    pub(crate) fn join(self: &Arc<Self>, weight: u32, seen: Option<u64>) -> Ticket {
-        let signal = Arc::new(Notify::new());
-        let mut state = self.state();
-        let id = state.next_id;
-        state.next_id += 1;
-        let notified = seen.is_some_and(|seen| seen != state.missed);
-        state.queue.push_back(Entry {
-            id,
-            weight,
-            notified,
-            signal: signal.clone(),
-        });
-        self.request_subscription(&mut state);
-        drop(state);
-        Ticket {
-            list: self.clone(),
-            id,
-            signal,
-        }
-    }
 }
 
-/// A place in a [`Waitlist`]. Dropping it leaves the queue and hands an unused notification on.
+/// A registered waiter. Dropping it leaves the local list (the caller releases the member in
+/// the backend).
 pub(crate) struct Ticket {
     list: Arc<Waitlist>,
-    id: u64,
+    member: Arc<str>,
     signal: Arc<Notify>,
 }
 
 impl Ticket {
-    /// Waits until a release notifies this waiter, or, while it is the oldest waiter, until
-    /// `retry` has passed.
-    pub(crate) async fn wait(&self, retry: Duration) -> Wake {
-        let timer = Instant::now() + retry;
+    /// The attempt queued this waiter in the backend: listen for its grant.
+    pub(crate) fn queued(&self) {
+        let mut state = self.list.state();
+        if let Some(index) = state.position(&self.member) {
+            state.entries[index].queued = true;
+        }
+        self.list.request_subscription(&mut state);
+    }
+
+    /// Waits for this waiter's next event. While it is the oldest queued waiter it also gets
+    /// [`Event::Touch`] after `refresh`, or at once when the line needs checking.
+    pub(crate) async fn wait(&self, refresh: Duration) -> Event {
+        let timer = Instant::now() + refresh;
         loop {
-            let head = {
-                let state = self.list.state();
-                match state.position(self.id) {
-                    Some(index) if state.queue[index].notified => return Wake::Released,
-                    Some(index) => index == 0,
-                    // Not queued cannot happen while the ticket lives; treat it as a wake-up.
-                    None => return Wake::Released,
+            let duty = {
+                let mut state = self.list.state();
+                let Some(index) = state.position(&self.member) else {
+                    // Not registered cannot happen while the ticket lives; asking again is safe.
+                    return Event::Retry;
+                };
+                if let Some(event) = state.entries[index].event.take() {
+                    return event;
                 }
+                let duty = state.duty() == Some(index);
+                if duty && state.touch_now {
+                    state.touch_now = false;
+                    return Event::Touch;
+                }
+                duty
             };
-            if head {
+            if duty {
                 tokio::select! {
                     _ = self.signal.notified() => {}
-                    _ = tokio::time::sleep_until(timer) => return Wake::Timer,
+                    _ = tokio::time::sleep_until(timer) => return Event::Touch,
                 }
             } else {
                 self.signal.notified().await;
             }
         }
     }
-
-    /// The attempt after a wake-up found the semaphore full: wait for the next release, unless
-    /// one went unclaimed since `seen` (then stay notified and try again at once).
-    pub(crate) fn rearm(&self, seen: u64) {
-        let mut state = self.list.state();
-        let missed = state.missed;
-        if let Some(index) = state.position(self.id) {
-            state.queue[index].notified = missed != seen;
-        }
-        // A failed subscription is asked for again by the waiters that still need it.
-        self.list.request_subscription(&mut state);
-    }
-
-    /// The waiter got its permit. A grant found by the timer means permits freed without a
-    /// notification (an expired lease): the next waiter is worth a try as well.
-    pub(crate) fn granted(self, how: Wake) {
-        self.leave(Some(how));
-    }
-
-    /// Leaves the queue, granted (`Some`) or giving up (`None`).
-    fn leave(&self, granted: Option<Wake>) {
-        let mut state = self.list.state();
-        let Some(index) = state.position(self.id) else {
-            return;
-        };
-        let Some(entry) = state.queue.remove(index) else {
-            return;
-        };
-        let wake_next = match granted {
-            Some(how) => how == Wake::Timer,
-            // A notification this waiter will not use belongs to the next one.
-            None => entry.notified,
-        };
-        if wake_next {
-            state.wake(entry.weight);
-        }
-        match state.queue.front() {
-            // The new oldest waiter starts its timer.
-            Some(head) if index == 0 => head.signal.notify_one(),
-            Some(_) => {}
-            None => state.idle_since = Instant::now(),
-        }
-    }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        // After `granted` the entry is gone and this is a no-op.
-        self.leave(None);
+        let mut state = self.list.state();
+        let was_duty = state.duty();
+        let Some(index) = state.position(&self.member) else {
+            return;
+        };
+        state.entries.remove(index);
+        if was_duty == Some(index) {
+            // The next oldest waiter takes over the timer.
+            state.notify_duty();
+        }
+        if state.duty().is_none() {
+            state.idle_since = Instant::now();
+        }
     }
 }

@@ -1,18 +1,19 @@
-//! Permits in this process only: the same semantics as Redis (leases, weights, fencing tokens),
-//! for development, tests and single-instance deployments.
+//! Permits in this process only, with the same semantics as Redis: leases, weights, fencing
+//! tokens, and one first-come-first-served line.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Attempt, BoxFuture, Handle, sealed::Open};
+use super::{Attempt, BoxFuture, Handle, Member, Status, sealed::Open};
 use crate::Error;
 use crate::waitlist::{Hub, Waitlist};
 
 /// An in-process backend with the same semantics as [`RedisBackend`](crate::RedisBackend):
-/// leases expire, weights add up, fencing tokens strictly increase. Clones share the permits.
+/// leases expire, weights add up, fencing tokens strictly increase, waiters are served in
+/// order. Clones share the permits.
 ///
 /// Use it in development and tests, or as the embedded default of a single instance; use
 /// [`RedisBackend`](crate::RedisBackend) to share a limit between processes.
@@ -57,23 +58,35 @@ impl Default for Shared {
 
 #[derive(Default)]
 struct State {
-    semaphores: HashMap<Arc<str>, Holders>,
+    semaphores: HashMap<Arc<str>, Permits>,
     /// One counter for every semaphore: strictly increasing per semaphore, never reset.
     fence: u64,
 }
 
-/// The live holders of one semaphore; removed from the map when the last one goes.
+/// One semaphore's holders and line; removed from the map when both are empty.
 #[derive(Default)]
-struct Holders {
-    by_member: HashMap<String, (Instant, u32)>,
+struct Permits {
+    holders: HashMap<Arc<str>, (Instant, u32)>,
     used: u32,
+    queue: VecDeque<Member>,
 }
 
-impl Holders {
-    /// Drops expired holders and returns the earliest remaining deadline.
-    fn purge(&mut self, now: Instant) -> Option<Instant> {
+/// A grant made while the lock was held, announced once it is released.
+type Grant = (Arc<str>, u64, Duration);
+
+impl Permits {
+    fn hold(&mut self, member: &Member, now: Instant, fence: &mut u64) -> u64 {
+        self.holders
+            .insert(member.text.clone(), (now + member.lease, member.weight));
+        self.used += member.weight;
+        *fence += 1;
+        *fence
+    }
+
+    /// Drops expired holders, then admits waiters in order while the oldest fits.
+    fn settle(&mut self, now: Instant, limit: u32, fence: &mut u64, grants: &mut Vec<Grant>) {
         let mut freed = 0;
-        self.by_member.retain(|_, (deadline, weight)| {
+        self.holders.retain(|_, (deadline, weight)| {
             let live = *deadline > now;
             if !live {
                 freed += *weight;
@@ -81,7 +94,38 @@ impl Holders {
             live
         });
         self.used -= freed;
-        self.by_member.values().map(|(deadline, _)| *deadline).min()
+        while let Some(head) = self.queue.front() {
+            if u64::from(self.used) + u64::from(head.weight) > u64::from(limit) {
+                break;
+            }
+            let Some(member) = self.queue.pop_front() else {
+                break;
+            };
+            let token = self.hold(&member, now, fence);
+            grants.push((member.text, token, member.lease));
+        }
+    }
+
+    fn retry_in(&self, now: Instant, fallback: Duration) -> Duration {
+        self.holders
+            .values()
+            .map(|(deadline, _)| deadline.saturating_duration_since(now))
+            .min()
+            .unwrap_or(fallback)
+    }
+
+    fn status(&self, member: &str, now: Instant, fence: &mut u64) -> Status {
+        if let Some((deadline, _)) = self.holders.get(member) {
+            *fence += 1;
+            return Status::Granted {
+                token: *fence,
+                lease: deadline.saturating_duration_since(now),
+            };
+        }
+        if self.queue.iter().any(|waiter| &*waiter.text == member) {
+            return Status::Queued;
+        }
+        Status::Unknown
     }
 }
 
@@ -92,19 +136,12 @@ impl MemoryBackend {
     }
 }
 
-impl Shared {
-    fn state(&self) -> MutexGuard<'_, State> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
 impl Open for MemoryBackend {
-    fn open(&self, name: &str) -> Arc<dyn Handle> {
+    fn open(&self, name: &str, limit: u32) -> Arc<dyn Handle> {
         Arc::new(MemorySemaphore {
             shared: self.shared.clone(),
             name: name.into(),
+            limit,
             waitlist: self.shared.hub.waitlist(name),
         })
     }
@@ -113,77 +150,108 @@ impl Open for MemoryBackend {
 struct MemorySemaphore {
     shared: Arc<Shared>,
     name: Arc<str>,
+    limit: u32,
     waitlist: Arc<Waitlist>,
 }
 
 impl MemorySemaphore {
-    fn try_acquire(&self, member: &str, weight: u32, limit: u32, lease: Duration) -> Attempt {
-        let now = Instant::now();
-        let mut state = self.shared.state();
-        let holders = state.semaphores.entry(self.name.clone()).or_default();
-        let earliest = holders.purge(now);
-        if u64::from(holders.used) + u64::from(weight) > u64::from(limit) {
-            let retry_in = earliest.map_or(lease, |deadline| deadline - now);
-            if holders.by_member.is_empty() {
-                state.semaphores.remove(&self.name);
-            }
-            return Attempt::Full { retry_in };
-        }
-        holders.used += weight;
-        holders
-            .by_member
-            .insert(member.to_owned(), (now + lease, weight));
-        state.fence += 1;
-        Attempt::Granted {
-            token: state.fence,
-            lease,
-        }
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn remove(&self, member: &str) -> Option<u32> {
-        let mut state = self.shared.state();
-        let holders = state.semaphores.get_mut(&self.name)?;
-        let (_, weight) = holders.by_member.remove(member)?;
-        holders.used -= weight;
-        if holders.by_member.is_empty() {
-            state.semaphores.remove(&self.name);
+    /// Runs `op` on this semaphore between two settlements, then announces the grants made.
+    fn with<R>(&self, op: impl FnOnce(&mut Permits, Instant, &mut u64) -> R) -> R {
+        let now = Instant::now();
+        let mut grants = Vec::new();
+        let result = {
+            let mut guard = self.state();
+            let State { semaphores, fence } = &mut *guard;
+            let permits = semaphores.entry(self.name.clone()).or_default();
+            permits.settle(now, self.limit, fence, &mut grants);
+            let result = op(permits, now, fence);
+            permits.settle(now, self.limit, fence, &mut grants);
+            if permits.holders.is_empty() && permits.queue.is_empty() {
+                semaphores.remove(&self.name);
+            }
+            result
+        };
+        for (member, token, lease) in grants {
+            self.waitlist.grant(&member, token, lease);
         }
-        Some(weight)
+        result
     }
 }
 
 impl Handle for MemorySemaphore {
     fn acquire<'a>(
         &'a self,
-        member: &'a str,
-        weight: u32,
-        limit: u32,
-        lease: Duration,
+        member: &'a Member,
+        queue: bool,
+        _first: bool,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
-        let attempt = self.try_acquire(member, weight, limit, lease);
+        let attempt = self.with(|permits, now, fence| {
+            if let Status::Granted { token, lease } = permits.status(&member.text, now, fence) {
+                return Attempt::Granted { token, lease };
+            }
+            let fits = u64::from(permits.used) + u64::from(member.weight) <= u64::from(self.limit);
+            if permits.queue.is_empty() && fits {
+                let token = permits.hold(member, now, fence);
+                return Attempt::Granted {
+                    token,
+                    lease: member.lease,
+                };
+            }
+            if !queue {
+                return Attempt::Full;
+            }
+            if !permits
+                .queue
+                .iter()
+                .any(|waiter| waiter.text == member.text)
+            {
+                permits.queue.push_back(member.clone());
+            }
+            Attempt::Queued {
+                retry_in: permits.retry_in(now, member.lease),
+            }
+        });
         Box::pin(async move { Ok(attempt) })
     }
 
-    fn release<'a>(&'a self, member: &'a str) -> BoxFuture<'a, Result<(), Error>> {
-        if let Some(weight) = self.remove(member) {
-            self.waitlist.wake(weight);
-        }
+    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
+        self.release_later(member.clone());
         Box::pin(async { Ok(()) })
     }
 
-    fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
-        let now = Instant::now();
-        let mut state = self.shared.state();
-        let (used, empty) = match state.semaphores.get_mut(&self.name) {
-            Some(holders) => {
-                holders.purge(now);
-                (holders.used, holders.by_member.is_empty())
+    fn release_later(&self, member: Member) {
+        self.with(|permits, _, _| {
+            if let Some((_, weight)) = permits.holders.remove(&member.text) {
+                permits.used -= weight;
+            } else {
+                permits.queue.retain(|waiter| waiter.text != member.text);
             }
-            None => (0, false),
-        };
-        if empty {
-            state.semaphores.remove(&self.name);
-        }
+        });
+    }
+
+    fn touch<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
+        let found = self.with(|permits, now, fence| {
+            let statuses = members
+                .iter()
+                .map(|member| permits.status(member, now, fence))
+                .collect();
+            (statuses, permits.retry_in(now, super::KEEPALIVE))
+        });
+        Box::pin(async move { Ok(found) })
+    }
+
+    fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
+        let used = self.with(|permits, _, _| permits.used);
         Box::pin(async move { Ok(used) })
     }
 

@@ -42,38 +42,95 @@ impl Backend for RedisBackend {}
 pub(crate) mod sealed {
     use std::sync::Arc;
 
-    /// Opens the permits of one semaphore name.
+    /// Opens the permits of one semaphore name with its limit.
     pub trait Open {
-        fn open(&self, name: &str) -> Arc<dyn super::Handle>;
+        fn open(&self, name: &str, limit: u32) -> Arc<dyn super::Handle>;
     }
 }
 
-/// What one acquire attempt found.
+/// One acquisition's identity in a backend: `"<random id>:<weight>:<lease ms>"`, so any process
+/// that admits it from the queue knows its weight and lease.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub text: Arc<str>,
+    pub weight: u32,
+    pub lease: Duration,
+}
+
+impl Member {
+    /// A fresh holder id, never reused.
+    pub fn new(weight: u32, lease: Duration) -> Self {
+        Member {
+            text: format!("{:032x}:{weight}:{}", fastrand::u128(..), lease.as_millis()).into(),
+            weight,
+            lease,
+        }
+    }
+
+    /// The random id alone.
+    pub fn id(&self) -> &str {
+        self.text.split(':').next().unwrap_or_default()
+    }
+}
+
+/// What one acquire call found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Attempt {
     /// The holder was added with this fencing token and lease.
     Granted { token: u64, lease: Duration },
-    /// No room; the earliest lease ends in `retry_in`.
-    Full { retry_in: Duration },
+    /// The holder waits in the queue; its grant will be announced to the waitlist. The
+    /// earliest lease ends in `retry_in`.
+    Queued { retry_in: Duration },
+    /// No room and not queued (a one-shot attempt).
+    Full,
 }
 
-/// The permits of one semaphore name in one backend.
+/// A queued member's state, as [`Handle::touch`] finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Granted {
+        token: u64,
+        lease: Duration,
+    },
+    Queued,
+    /// Neither holding nor waiting: it was dropped from the queue (it stopped answering).
+    Unknown,
+}
+
+/// How long a queued waiter stays in line without showing it still waits. A process's oldest
+/// waiter refreshes all of them every [`KEEPALIVE`]; a crashed process's waiters drop out of
+/// the line after this long.
+pub const PATIENCE: Duration = Duration::from_secs(3);
+pub const KEEPALIVE: Duration = Duration::from_secs(1);
+
+/// The permits of one semaphore in one backend.
 pub trait Handle: Send + Sync + 'static {
-    /// Adds the holder `member` (`"<id>:<weight>"`) if `weight` more permits fit under `limit`.
+    /// Adds `member` as a holder if it fits and nobody waits; otherwise queues it (`queue`) or
+    /// answers [`Attempt::Full`]. `first` says the backend cannot know the member yet.
     fn acquire<'a>(
         &'a self,
-        member: &'a str,
-        weight: u32,
-        limit: u32,
-        lease: Duration,
+        member: &'a Member,
+        queue: bool,
+        first: bool,
     ) -> BoxFuture<'a, Result<Attempt, Error>>;
 
-    /// Removes the holder and wakes waiters; removing an absent holder is not an error.
-    fn release<'a>(&'a self, member: &'a str) -> BoxFuture<'a, Result<(), Error>>;
+    /// Removes the holder or waiter (absent is not an error) and admits whoever now fits.
+    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>>;
+
+    /// Releases `member` off the caller's path: at once in-process, or with this semaphore's
+    /// next call to the backend (a flush task makes sure there is one soon).
+    fn release_later(&self, member: Member);
+
+    /// Keeps queued `members` in line and reports each one's state, plus when the earliest
+    /// lease ends.
+    fn touch<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>>;
 
     /// The weight held by live (unexpired) holders.
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>>;
 
-    /// This process's waiters on this semaphore.
+    /// This process's waiters on this semaphore, to which grants are announced.
     fn waitlist(&self) -> &Arc<Waitlist>;
 }

@@ -5,7 +5,7 @@
 //! published on the semaphore's channel; waiters in a process share the backend's one
 //! multiplexed RESP3 connection, subscribed to a channel only while someone waits on it.
 
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -14,7 +14,7 @@ use redis::{
 };
 use tokio::sync::mpsc;
 
-use super::{Attempt, BoxFuture, Handle, sealed::Open};
+use super::{Attempt, BoxFuture, Handle, Member, PATIENCE, Status, sealed::Open};
 use crate::Error;
 use crate::waitlist::{Hub, Waitlist};
 
@@ -23,6 +23,10 @@ static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua
 /// How long a channel stays subscribed after its last local waiter left, so a semaphore that
 /// is full on and off does not subscribe and unsubscribe on every wait.
 const LINGER: Duration = Duration::from_secs(2);
+
+/// The `tracing` target of the one `trace!` event emitted per command sent to Redis, for
+/// counting round trips.
+const CALLS: &str = "tower_distributed_limit::redis";
 
 /// Bounds on every Redis call: a hung or vanished server answers with an error, not a hang.
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -122,25 +126,31 @@ impl RedisBackend {
     }
 }
 
-/// Routes a push from the connection: a release wakes that semaphore's local waiters; a lost
-/// connection may have swallowed releases, so every waiter tries again.
+/// Routes a push from the connection: a grant goes to the waiter it names; a lost connection
+/// may have swallowed grants, so every waitlist checks its line.
 fn on_push(hub: &Weak<Hub>, push: PushInfo) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
         PushKind::Message => {
-            if let [Value::BulkString(channel), Value::BulkString(weight)] = push.data.as_slice() {
+            if let [Value::BulkString(channel), Value::BulkString(grant)] = push.data.as_slice() {
                 let list = std::str::from_utf8(channel).ok().and_then(|c| hub.get(c));
-                let weight = std::str::from_utf8(weight)
-                    .ok()
-                    .and_then(|w| w.parse().ok());
-                if let Some(list) = list {
-                    list.wake(weight.unwrap_or(1));
+                if let (Some(list), Some((member, token, lease))) = (list, parse_grant(grant)) {
+                    list.grant(member, token, lease);
                 }
             }
         }
-        PushKind::Disconnection => hub.wake_everyone(),
+        PushKind::Disconnection => hub.touch_everyone(),
         _ => {}
     }
+}
+
+/// A grant announcement: `"<member> <token> <lease ms>"`.
+fn parse_grant(grant: &[u8]) -> Option<(&str, u64, Duration)> {
+    let mut parts = std::str::from_utf8(grant).ok()?.split(' ');
+    let member = parts.next()?;
+    let token = parts.next()?.parse().ok()?;
+    let lease = Duration::from_millis(parts.next()?.parse().ok()?);
+    Some((member, token, lease))
 }
 
 /// Subscribes the channels waiters ask for, in order, and drops those idle for [`LINGER`].
@@ -155,6 +165,7 @@ async fn subscriber(
         tokio::select! {
             request = requests.recv() => {
                 let Some(list) = request else { return };
+                tracing::trace!(target: CALLS, op = "subscribe", "pub/sub call");
                 let result = conn.subscribe(list.key()).await;
                 if let Err(e) = &result {
                     tracing::warn!(channel = list.key(), error = %e, "cannot subscribe to release notifications; waiters fall back to timers");
@@ -172,9 +183,11 @@ async fn subscriber(
                     }
                     keep
                 });
-                if !idle.is_empty()
-                    && let Err(e) = conn.unsubscribe(&idle).await
-                {
+                if idle.is_empty() {
+                    continue;
+                }
+                tracing::trace!(target: CALLS, op = "unsubscribe", "pub/sub call");
+                if let Err(e) = conn.unsubscribe(&idle).await {
                     tracing::debug!(error = %e, "unsubscribe failed; the channel stays subscribed until it is asked for again");
                 }
             }
@@ -183,86 +196,225 @@ async fn subscriber(
 }
 
 impl Open for RedisBackend {
-    fn open(&self, name: &str) -> Arc<dyn Handle> {
+    fn open(&self, name: &str, limit: u32) -> Arc<dyn Handle> {
         // All keys share the `{name}` hash tag, so a semaphore lives in one Cluster slot.
         let base = format!("{}{{{}}}", self.prefix, name);
-        let channel = format!("{base}:released");
-        Arc::new(RedisSemaphore {
+        let channel = format!("{base}:granted");
+        Arc::new_cyclic(|me| RedisSemaphore {
+            me: me.clone(),
             shared: self.shared.clone(),
-            holders: format!("{base}:holders"),
-            meta: format!("{base}:meta"),
+            keys: ["holders", "meta", "queue", "alive"].map(|key| format!("{base}:{key}")),
+            limit,
             waitlist: self.shared.hub.waitlist(&channel),
             channel,
+            unsent: Mutex::new(Vec::new()),
         })
     }
 }
 
 struct RedisSemaphore {
-    /// Keeps the connection and the notification hub alive as long as the semaphore.
+    me: Weak<RedisSemaphore>,
+    /// Keeps the connection and the announcement hub alive as long as the semaphore.
     shared: Arc<Shared>,
-    holders: String,
-    meta: String,
+    keys: [String; 4],
     channel: String,
+    limit: u32,
     waitlist: Arc<Waitlist>,
+    /// Releases not sent yet: the next call carries them, or a flush task sends them.
+    unsent: Mutex<Vec<Arc<str>>>,
 }
 
 impl RedisSemaphore {
-    /// A call of the script for operation `op` on this semaphore's keys; add its arguments.
-    fn script(&self, op: &str) -> ScriptInvocation<'static> {
-        let mut invocation = SCRIPT.key(&self.holders);
-        invocation.key(&self.meta).arg(op);
-        invocation
+    fn unsent(&self) -> std::sync::MutexGuard<'_, Vec<Arc<str>>> {
+        self.unsent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    async fn run(&self, invocation: &ScriptInvocation<'_>, op: &str) -> Result<Value, Error> {
-        invocation
-            .invoke_async(&mut self.shared.conn.clone())
-            .await
-            .map_err(|e| redis_error(e, op))
+    /// One call of the script: `op` on this semaphore, releasing `releasing` and whatever
+    /// releases are waiting to be sent, with the operation's own arguments after those
+    /// (`args` is told whether this is the retry).
+    ///
+    /// A call whose connection dropped is sent once more: the connection manager reconnects on
+    /// that error, and every operation may run twice (an acquire's retry is marked not-first,
+    /// so it looks its member up instead of adding it again).
+    async fn run(
+        &self,
+        op: &'static str,
+        releasing: Option<&Member>,
+        args: impl Fn(&mut ScriptInvocation<'static>, bool),
+    ) -> Result<Value, Error> {
+        let mut carried = Carried {
+            semaphore: self,
+            members: std::mem::take(&mut *self.unsent()),
+            settled: false,
+        };
+        let invocation = |retry: bool| {
+            let mut invocation = SCRIPT.prepare_invoke();
+            for key in &self.keys {
+                invocation.key(key);
+            }
+            invocation
+                .arg(op)
+                .arg(&self.channel)
+                .arg(self.limit)
+                .arg(carried.members.len() + usize::from(releasing.is_some()));
+            if let Some(member) = releasing {
+                invocation.arg(&*member.text);
+            }
+            for member in &carried.members {
+                invocation.arg(&**member);
+            }
+            args(&mut invocation, retry);
+            tracing::trace!(target: CALLS, op, carried = carried.members.len(), retry, "script call");
+            invocation
+        };
+        let mut conn = self.shared.conn.clone();
+        let mut result = invocation(false).invoke_async(&mut conn).await;
+        if result
+            .as_ref()
+            .is_err_and(RedisError::is_connection_dropped)
+        {
+            result = invocation(true).invoke_async(&mut conn).await;
+        }
+        carried.settled = true;
+        let result = result.map_err(|e| redis_error(e, op));
+        if let Err(e) = &result
+            && !carried.members.is_empty()
+        {
+            tracing::warn!(error = %e, count = carried.members.len(), "releases failed: those slots free when their leases end");
+        }
+        result
+    }
+
+    /// Sends the waiting releases, if no other call took them meanwhile.
+    async fn flush(&self) {
+        if self.unsent().is_empty() {
+            return;
+        }
+        // `run` logs a failure; the leases are the fallback.
+        let _ = self.run("release", None, |_, _| {}).await;
+    }
+
+    fn spawn_flush(&self) {
+        let Some(me) = self.me.upgrade() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move { me.flush().await });
+            }
+            Err(_) => tracing::warn!(
+                "permit dropped outside a tokio runtime: it is released with the semaphore's next \
+                 call, or frees when its lease ends"
+            ),
+        }
+    }
+}
+
+/// Releases carried by a call. If the call is cancelled before it is answered they go back to
+/// be sent again (releasing twice is harmless); if it fails they are dropped with a warning,
+/// so a Redis outage cannot turn into a loop of retries.
+struct Carried<'a> {
+    semaphore: &'a RedisSemaphore,
+    members: Vec<Arc<str>>,
+    settled: bool,
+}
+
+impl Drop for Carried<'_> {
+    fn drop(&mut self) {
+        if self.settled || self.members.is_empty() {
+            return;
+        }
+        self.semaphore.unsent().append(&mut self.members);
+        self.semaphore.spawn_flush();
     }
 }
 
 impl Handle for RedisSemaphore {
     fn acquire<'a>(
         &'a self,
-        member: &'a str,
-        weight: u32,
-        limit: u32,
-        lease: Duration,
+        member: &'a Member,
+        queue: bool,
+        first: bool,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
         Box::pin(async move {
-            let lease_ms = lease.as_millis() as u64;
-            let mut script = self.script("acquire");
-            script.arg(member).arg(weight).arg(limit).arg(lease_ms);
-            let reply = self.run(&script, "acquire").await?;
+            let reply = self
+                .run("acquire", None, |script, retry| {
+                    script
+                        .arg(&*member.text)
+                        .arg(PATIENCE.as_millis() as u64)
+                        .arg(u8::from(queue))
+                        .arg(u8::from(first && !retry));
+                })
+                .await?;
             match integers(&reply).as_deref() {
-                Some([1, token, lease_ms]) if *token > 0 && *lease_ms > 0 => Ok(Attempt::Granted {
-                    token: *token as u64,
-                    lease: Duration::from_millis(*lease_ms as u64),
+                Some(&[1, token, lease]) => granted(token, lease).ok_or_else(|| unexpected(&reply)),
+                Some(&[2, retry_ms]) => Ok(Attempt::Queued {
+                    retry_in: millis(retry_ms),
                 }),
-                Some([0, wait_ms]) => Ok(Attempt::Full {
-                    retry_in: Duration::from_millis((*wait_ms).max(1) as u64),
-                }),
+                Some(&[0, _]) => Ok(Attempt::Full),
                 _ => Err(unexpected(&reply)),
             }
         })
     }
 
-    fn release<'a>(&'a self, member: &'a str) -> BoxFuture<'a, Result<(), Error>> {
+    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
-            let mut script = self.script("release");
-            script.arg(member).arg(&self.channel);
-            let reply = self.run(&script, "release").await?;
-            match reply {
-                Value::Int(0 | 1) => Ok(()),
+            match self.run("release", Some(member), |_, _| {}).await? {
+                Value::Int(_) => Ok(()),
                 other => Err(unexpected(&other)),
             }
         })
     }
 
+    fn release_later(&self, member: Member) {
+        let first = {
+            let mut unsent = self.unsent();
+            unsent.push(member.text);
+            unsent.len() == 1
+        };
+        if first {
+            self.spawn_flush();
+        }
+    }
+
+    fn touch<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
+        Box::pin(async move {
+            let reply = self
+                .run("touch", None, |script, _| {
+                    script.arg(PATIENCE.as_millis() as u64);
+                    for member in members {
+                        script.arg(&**member);
+                    }
+                })
+                .await?;
+            let numbers = integers(&reply).ok_or_else(|| unexpected(&reply))?;
+            let Some((&retry_ms, rest)) = numbers.split_first() else {
+                return Err(unexpected(&reply));
+            };
+            if rest.len() != members.len() * 3 {
+                return Err(unexpected(&reply));
+            }
+            let statuses = rest
+                .chunks_exact(3)
+                .map(|status| match *status {
+                    [1, token, lease] => match granted(token, lease) {
+                        Some(Attempt::Granted { token, lease }) => Status::Granted { token, lease },
+                        _ => Status::Unknown,
+                    },
+                    [2, ..] => Status::Queued,
+                    _ => Status::Unknown,
+                })
+                .collect();
+            Ok((statuses, millis(retry_ms)))
+        })
+    }
+
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
         Box::pin(async move {
-            match self.run(&self.script("used"), "used").await? {
+            match self.run("used", None, |_, _| {}).await? {
                 Value::Int(used) => Ok(u32::try_from(used.max(0)).unwrap_or(u32::MAX)),
                 other => Err(unexpected(&other)),
             }
@@ -272,6 +424,17 @@ impl Handle for RedisSemaphore {
     fn waitlist(&self) -> &Arc<Waitlist> {
         &self.waitlist
     }
+}
+
+fn granted(token: i64, lease_ms: i64) -> Option<Attempt> {
+    Some(Attempt::Granted {
+        token: u64::try_from(token).ok().filter(|&token| token > 0)?,
+        lease: Duration::from_millis(u64::try_from(lease_ms).ok()?),
+    })
+}
+
+fn millis(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0).max(1))
 }
 
 fn integers(reply: &Value) -> Option<Vec<i64>> {

@@ -1,0 +1,411 @@
+//! Per-key partitions: one semaphore, with its own limit, per API key, tenant or any other key
+//! taken from the request.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use http::HeaderName;
+use http::request::Parts;
+
+use super::Refusal;
+use crate::{Backend, Error, Semaphore, SemaphoreBuilder};
+
+const DEFAULT_CAPACITY: usize = 10_000;
+const DEFAULT_MAX_KEY_LEN: usize = 256;
+
+type KeyFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type LimitFn = dyn Fn(&str) -> u32 + Send + Sync;
+type BuildFn = dyn Fn(SemaphoreBuilder) -> Result<Semaphore, Error> + Send + Sync;
+
+/// What a partitioned layer does with a request that carries no key.
+#[derive(Debug, Clone, Default)]
+pub enum WithoutKey {
+    /// Refuse it: 400 Bad Request in the HTTP flavour, [`Error::Config`] otherwise (default).
+    #[default]
+    Reject,
+    /// Count it against this semaphore, shared by every keyless request.
+    Shared(Semaphore),
+}
+
+/// One semaphore per key: each key (an API key, a tenant id...) gets its own limit, shared by
+/// every process. Give it to [`DistributedConcurrencyLimitLayer::partitioned`](super::DistributedConcurrencyLimitLayer::partitioned).
+///
+/// The semaphore of key `k` is named `"{base name}:{k}"` and is built on first use from the
+/// backend given to [`PartitionsBuilder::build`]. This process keeps at most
+/// [`capacity`](PartitionsBuilder::capacity) of them, evicting the least recently used
+/// (second-chance approximation) past that, so whatever keys clients send, memory stays
+/// bounded. Evicting is safe: the permits live in the backend, and a permit in flight keeps its
+/// semaphore alive.
+///
+/// Keys are checked before use: an empty key or one longer than
+/// [`max_key_len`](PartitionsBuilder::max_key_len) bytes is refused like a missing one would be
+/// under [`WithoutKey::Reject`].
+///
+/// # Example
+///
+/// ```
+/// use http::HeaderName;
+/// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Partitions, WithoutKey};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+/// let partitions = Partitions::builder("llm-api")
+///     .key_header(HeaderName::from_static("x-api-key"))
+///     // 20 at once for premium keys, 5 for the others
+///     .limit_by(|key| if key.starts_with("pro-") { 20 } else { 5 })
+///     .capacity(50_000)
+///     .without_key(WithoutKey::Reject)
+///     .build(MemoryBackend::new())?;
+/// assert_eq!(partitions.semaphore("pro-42")?.limit(), 20);
+/// assert_eq!(partitions.semaphore("free-7")?.name(), "llm-api:free-7");
+/// assert!(partitions.semaphore("").is_err());
+/// let layer = DistributedConcurrencyLimitLayer::partitioned(partitions).http();
+/// # let _ = layer;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Partitions {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    base: String,
+    key: Box<KeyFn>,
+    limit: Box<LimitFn>,
+    lease: Option<Duration>,
+    acquire_timeout: Option<Duration>,
+    build: Box<BuildFn>,
+    max_key_len: usize,
+    without_key: WithoutKey,
+    cache: Mutex<Clock>,
+}
+
+impl std::fmt::Debug for Partitions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Partitions")
+            .field("base", &self.inner.base)
+            .field("max_key_len", &self.inner.max_key_len)
+            .field("without_key", &self.inner.without_key)
+            .field("cached", &self.cached())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Settings for [`Partitions`]; made by [`Partitions::builder`]. A key extractor and a limit
+/// are required.
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct PartitionsBuilder {
+    base: String,
+    key: Option<Box<KeyFn>>,
+    limit: Option<Box<LimitFn>>,
+    lease: Option<Duration>,
+    acquire_timeout: Option<Duration>,
+    capacity: usize,
+    max_key_len: usize,
+    without_key: WithoutKey,
+}
+
+impl std::fmt::Debug for PartitionsBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartitionsBuilder")
+            .field("base", &self.base)
+            .field("capacity", &self.capacity)
+            .field("max_key_len", &self.max_key_len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartitionsBuilder {
+    /// Takes the key from the request's head (method, URI, headers, extensions); `None` means
+    /// the request has no key (see [`without_key`](Self::without_key)).
+    pub fn key<F>(mut self, key: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.key = Some(Box::new(key));
+        self
+    }
+
+    /// Takes the key from a header; a missing or non-UTF-8 value means no key.
+    pub fn key_header(self, name: HeaderName) -> Self {
+        self.key(move |parts| {
+            let value = parts.headers.get(&name)?.to_str().ok()?;
+            Some(value.to_owned())
+        })
+    }
+
+    /// Every key gets the same limit.
+    pub fn limit(self, limit: u32) -> Self {
+        self.limit_by(move |_| limit)
+    }
+
+    /// Each key's limit, computed when its semaphore is built. A limit of 0 is invalid: that
+    /// key's requests are refused as if its backend had failed (and a warning is logged).
+    pub fn limit_by<F>(mut self, limit: F) -> Self
+    where
+        F: Fn(&str) -> u32 + Send + Sync + 'static,
+    {
+        self.limit = Some(Box::new(limit));
+        self
+    }
+
+    /// The lease of every key's semaphore (default: [`SemaphoreBuilder::lease`]'s).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// The acquire timeout of every key's semaphore (default:
+    /// [`SemaphoreBuilder::acquire_timeout`]'s).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = Some(timeout);
+        self
+    }
+
+    /// How many keys' semaphores this process keeps (default 10 000, at least 1).
+    pub fn capacity(mut self, capacity: usize) -> Self {
+        self.capacity = capacity;
+        self
+    }
+
+    /// The longest key accepted, in bytes (default 256, at least 1).
+    pub fn max_key_len(mut self, max: usize) -> Self {
+        self.max_key_len = max;
+        self
+    }
+
+    /// What to do with a request that has no key (default [`WithoutKey::Reject`]).
+    pub fn without_key(mut self, rule: WithoutKey) -> Self {
+        self.without_key = rule;
+        self
+    }
+
+    /// Checks the settings; key semaphores will be built on `backend`.
+    ///
+    /// Fails with [`Error::Config`] without a key extractor or a limit, for a zero capacity or
+    /// key length, or for settings [`SemaphoreBuilder::build`] refuses.
+    pub fn build<B: Backend + Clone>(self, backend: B) -> Result<Partitions, Error> {
+        let base = self.base;
+        let Some(key) = self.key else {
+            return Err(Error::Config(format!(
+                "partitions {base:?} have no key extractor; call .key(..) or .key_header(..)"
+            )));
+        };
+        let Some(limit) = self.limit else {
+            return Err(Error::Config(format!(
+                "partitions {base:?} have no limit; call .limit(n) or .limit_by(..)"
+            )));
+        };
+        if self.capacity == 0 || self.max_key_len == 0 {
+            return Err(Error::Config(format!(
+                "partitions {base:?}: capacity and max_key_len must be at least 1"
+            )));
+        }
+        let build: Box<BuildFn> =
+            Box::new(move |builder: SemaphoreBuilder| builder.build(backend.clone()));
+        let partitions = Partitions {
+            inner: Arc::new(Inner {
+                base,
+                key,
+                limit,
+                lease: self.lease,
+                acquire_timeout: self.acquire_timeout,
+                build,
+                max_key_len: self.max_key_len,
+                without_key: self.without_key,
+                cache: Mutex::new(Clock::new(self.capacity)),
+            }),
+        };
+        // Let the semaphore builder check the name, lease and timeout now rather than per request.
+        (partitions.inner.build)(partitions.settings(partitions.inner.base.clone(), 1))?;
+        Ok(partitions)
+    }
+}
+
+impl Partitions {
+    /// Starts the settings of partitions whose semaphores are named `"{base_name}:{key}"`.
+    pub fn builder(base_name: impl Into<String>) -> PartitionsBuilder {
+        PartitionsBuilder {
+            base: base_name.into(),
+            key: None,
+            limit: None,
+            lease: None,
+            acquire_timeout: None,
+            capacity: DEFAULT_CAPACITY,
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            without_key: WithoutKey::Reject,
+        }
+    }
+
+    /// The semaphore of `key`, built now if this process does not hold it. Fails with
+    /// [`Error::Config`] for an empty or too long key, or a limit of 0 for it.
+    pub fn semaphore(&self, key: &str) -> Result<Semaphore, Error> {
+        self.check(key)?;
+        self.lookup(key)
+    }
+
+    fn check(&self, key: &str) -> Result<(), Error> {
+        if key.is_empty() || key.len() > self.inner.max_key_len {
+            return Err(Error::Config(format!(
+                "partition key of {} bytes for {:?}: keys must be 1 ..= {} bytes",
+                key.len(),
+                self.inner.base,
+                self.inner.max_key_len
+            )));
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, key: &str) -> Result<Semaphore, Error> {
+        let inner = &self.inner;
+        let mut cache = lock(&inner.cache);
+        if let Some(sem) = cache.get(key) {
+            return Ok(sem);
+        }
+        let limit = (inner.limit)(key);
+        let sem = (inner.build)(self.settings(format!("{}:{key}", inner.base), limit))?;
+        cache.insert(key.into(), sem.clone());
+        Ok(sem)
+    }
+
+    /// How many keys' semaphores this process holds now (never more than the capacity).
+    pub fn cached(&self) -> usize {
+        lock(&self.inner.cache).len()
+    }
+
+    fn settings(&self, name: String, limit: u32) -> SemaphoreBuilder {
+        let mut builder = Semaphore::builder(name).limit(limit);
+        if let Some(lease) = self.inner.lease {
+            builder = builder.lease(lease);
+        }
+        if let Some(timeout) = self.inner.acquire_timeout {
+            builder = builder.acquire_timeout(timeout);
+        }
+        builder
+    }
+
+    /// The semaphore a request counts against.
+    pub(crate) fn select(&self, parts: &Parts) -> Result<Semaphore, Refusal> {
+        match (self.inner.key)(parts) {
+            Some(key) => {
+                self.check(&key).map_err(Refusal::BadKey)?;
+                self.lookup(&key).map_err(|e| {
+                    tracing::warn!(error = %e, "cannot build a partition's semaphore");
+                    Refusal::Busy(e)
+                })
+            }
+            None => match &self.inner.without_key {
+                WithoutKey::Shared(sem) => Ok(sem.clone()),
+                WithoutKey::Reject => Err(Refusal::BadKey(Error::Config(format!(
+                    "the request carries no partition key for {:?}; send one or use WithoutKey::Shared",
+                    self.inner.base
+                )))),
+            },
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned cache is still consistent: no code panics between its updates.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A bounded map with second-chance (CLOCK) eviction: an approximation of least recently used
+/// with O(1) hits and amortised O(1) misses.
+struct Clock {
+    index: HashMap<Arc<str>, usize>,
+    slots: Vec<Slot>,
+    hand: usize,
+    capacity: usize,
+}
+
+struct Slot {
+    key: Arc<str>,
+    semaphore: Semaphore,
+    referenced: bool,
+}
+
+impl Clock {
+    fn new(capacity: usize) -> Self {
+        Clock {
+            index: HashMap::new(),
+            slots: Vec::new(),
+            hand: 0,
+            capacity,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn get(&mut self, key: &str) -> Option<Semaphore> {
+        let slot = &mut self.slots[*self.index.get(key)?];
+        slot.referenced = true;
+        Some(slot.semaphore.clone())
+    }
+
+    fn insert(&mut self, key: Arc<str>, semaphore: Semaphore) {
+        let slot = Slot {
+            key: key.clone(),
+            semaphore,
+            referenced: false,
+        };
+        if self.slots.len() < self.capacity {
+            self.index.insert(key, self.slots.len());
+            self.slots.push(slot);
+            return;
+        }
+        // Sweep: spare each recently used slot once, evict the first one that was not.
+        // Ends within two turns of the hand, since each spared slot loses its mark.
+        loop {
+            let current = &mut self.slots[self.hand];
+            if current.referenced {
+                current.referenced = false;
+                self.hand = (self.hand + 1) % self.slots.len();
+                continue;
+            }
+            self.index.remove(&current.key);
+            *current = slot;
+            self.index.insert(key, self.hand);
+            self.hand = (self.hand + 1) % self.slots.len();
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryBackend;
+
+    fn sem(name: &str) -> Semaphore {
+        Semaphore::builder(name)
+            .limit(1)
+            .build(MemoryBackend::new())
+            .unwrap()
+    }
+
+    #[test]
+    fn clock_stays_bounded_and_spares_recent_keys() {
+        let mut clock = Clock::new(3);
+        for key in ["a", "b", "c"] {
+            clock.insert(key.into(), sem(key));
+        }
+        assert!(clock.get("a").is_some()); // a is recently used
+        clock.insert("d".into(), sem("d")); // evicts b, the first unmarked slot
+        assert_eq!(clock.len(), 3);
+        assert!(clock.get("b").is_none());
+        assert!(clock.get("a").is_some());
+        assert!(clock.get("d").is_some());
+        for i in 0..100 {
+            let key = format!("k{i}");
+            clock.insert(key.as_str().into(), sem(&key));
+            assert!(clock.get(&key).is_some());
+            assert_eq!(clock.len(), 3);
+            assert_eq!(clock.index.len(), 3);
+        }
+    }
+}

@@ -1,0 +1,729 @@
+//! The tower layer over real HTTP on loopback, against a real redis-server where it matters.
+
+mod support;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Extension;
+use axum::routing::get;
+use axum::{Router, http::StatusCode};
+use bytes::Bytes;
+use http::{HeaderName, Request, Response};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
+use tower_distributed_limit::{
+    Backend, DistributedConcurrencyLimitLayer, Error, FencingToken, MemoryBackend, Partitions,
+    Semaphore, WithoutKey,
+};
+
+use support::{Redis, eventually};
+
+/// The bound on every wait in these tests.
+const BOUND: Duration = Duration::from_secs(10);
+
+type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+async fn serve(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+async fn bounded<F: Future>(what: &str, future: F) -> F::Output {
+    tokio::time::timeout(BOUND, future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {BOUND:?} waiting for {what}"))
+}
+
+async fn get_from(
+    client: &HttpClient,
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+) -> Response<Incoming> {
+    let mut request = Request::get(format!("http://{addr}{path}"));
+    if let Some(key) = key {
+        request = request.header("x-api-key", key);
+    }
+    bounded(
+        "a response",
+        client.request(request.body(Empty::new()).unwrap()),
+    )
+    .await
+    .unwrap()
+}
+
+async fn text(response: Response<Incoming>) -> String {
+    let body = bounded("a body", response.into_body().collect()).await;
+    String::from_utf8(body.unwrap().to_bytes().to_vec()).unwrap()
+}
+
+fn semaphore(name: &str, limit: u32, backend: impl Backend) -> Semaphore {
+    Semaphore::builder(name)
+        .limit(limit)
+        .acquire_timeout(BOUND)
+        .build(backend)
+        .unwrap()
+}
+
+/// Counts handlers running at once and holds them until the gate opens.
+#[derive(Clone)]
+struct Probe {
+    active: Arc<AtomicUsize>,
+    max: Arc<AtomicUsize>,
+    started: Arc<AtomicUsize>,
+    gate: Arc<watch::Sender<bool>>,
+}
+
+struct Active(Arc<AtomicUsize>);
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Probe {
+    fn new() -> Self {
+        Probe {
+            active: Arc::default(),
+            max: Arc::default(),
+            started: Arc::default(),
+            gate: Arc::new(watch::channel(false).0),
+        }
+    }
+
+    async fn hold(&self) {
+        let now = self.active.fetch_add(1, Ordering::SeqCst) + 1;
+        let _active = Active(self.active.clone());
+        self.max.fetch_max(now, Ordering::SeqCst);
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let mut gate = self.gate.subscribe();
+        bounded("the gate to open", gate.wait_for(|open| *open))
+            .await
+            .unwrap();
+    }
+
+    fn open(&self) {
+        self.gate.send_replace(true);
+    }
+
+    fn active(&self) -> usize {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    fn max(&self) -> usize {
+        self.max.load(Ordering::SeqCst)
+    }
+
+    fn started(&self) -> usize {
+        self.started.load(Ordering::SeqCst)
+    }
+
+    /// A router whose `/` holds in this probe and answers with the request's fencing token.
+    fn router(&self) -> Router {
+        let probe = self.clone();
+        Router::new().route(
+            "/",
+            get(
+                move |Extension(FencingToken(token)): Extension<FencingToken>| async move {
+                    probe.hold().await;
+                    token.to_string()
+                },
+            ),
+        )
+    }
+}
+
+async fn wait_until(what: &str, condition: impl Fn() -> bool) {
+    eventually(BOUND, what, || {
+        let holds = condition();
+        async move { holds }
+    })
+    .await;
+}
+
+async fn available(sem: &Semaphore) -> u32 {
+    sem.available_permits().await.unwrap()
+}
+
+async fn wait_available(sem: &Semaphore, expected: u32) {
+    eventually(
+        BOUND,
+        &format!("{expected} free permits of {}", sem.name()),
+        || async { available(sem).await == expected },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_reject_past_the_shared_limit() {
+    let redis = Redis::start().await;
+    let probe = Probe::new();
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        // Each instance has its own connection, as two pods would.
+        let sem = semaphore("shared", 3, redis.backend().await);
+        let app = probe.router().layer(
+            DistributedConcurrencyLimitLayer::new(sem)
+                .reject_when_full()
+                .http(),
+        );
+        addrs.push(serve(app).await);
+    }
+    let client = client();
+    let mut requests = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let (client, addr) = (client.clone(), addrs[i % 2]);
+        requests.spawn(async move { get_from(&client, addr, "/", None).await });
+    }
+    // Every request that got no permit is answered at once; three wait in their handlers.
+    let mut refused = 0;
+    while refused < 17 {
+        let response = bounded("a refusal", requests.join_next())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()["retry-after"], "1");
+        refused += 1;
+    }
+    assert_eq!(probe.active(), 3);
+    probe.open();
+    let mut tokens = Vec::new();
+    while let Some(response) = bounded("the held requests", requests.join_next()).await {
+        let response = response.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        tokens.push(text(response).await.parse::<u64>().unwrap());
+    }
+    assert_eq!(tokens.len(), 3);
+    tokens.sort();
+    tokens.dedup();
+    assert_eq!(
+        tokens.len(),
+        3,
+        "fencing tokens are unique across instances"
+    );
+    assert_eq!(probe.max(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_queue_past_the_shared_limit() {
+    let redis = Redis::start().await;
+    let probe = Probe::new();
+    let check = semaphore("queued", 3, redis.backend().await);
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        let sem = semaphore("queued", 3, redis.backend().await);
+        let app = probe
+            .router()
+            .layer(DistributedConcurrencyLimitLayer::new(sem).http());
+        addrs.push(serve(app).await);
+    }
+    let client = client();
+    let mut requests = tokio::task::JoinSet::new();
+    for i in 0..12 {
+        let (client, addr) = (client.clone(), addrs[i % 2]);
+        requests.spawn(async move { get_from(&client, addr, "/", None).await });
+    }
+    wait_until("three handlers to run", || probe.active() == 3).await;
+    assert_eq!(available(&check).await, 0);
+    // The other nine wait for a permit; none of them runs while the gate is shut.
+    assert_eq!(probe.started(), 3);
+    probe.open();
+    let mut ok = 0;
+    while let Some(response) = bounded("every request", requests.join_next()).await {
+        assert_eq!(response.unwrap().status(), StatusCode::OK);
+        ok += 1;
+    }
+    assert_eq!(ok, 12, "waiters are served, not refused");
+    assert_eq!(probe.started(), 12);
+    assert!(probe.max() <= 3, "max {} handlers at once", probe.max());
+    wait_available(&check, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_configurable_and_backend_failures_fail_closed() {
+    let mut redis = Redis::start().await;
+    let sem = semaphore("busy", 1, redis.backend().await);
+    let ok = Router::new().route("/", get(|| async { "ok" }));
+    let custom = serve(
+        ok.clone().layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .reject_when_full()
+                .http()
+                .status(StatusCode::TOO_MANY_REQUESTS)
+                .body("slow down")
+                .retry_after(Some(Duration::from_millis(4500))),
+        ),
+    )
+    .await;
+    let plain = serve(
+        ok.clone().layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .reject_when_full()
+                .http()
+                .retry_after(None),
+        ),
+    )
+    .await;
+    let client = client();
+    assert_eq!(text(get_from(&client, custom, "/", None).await).await, "ok");
+
+    let held = sem.acquire().await.unwrap();
+    let response = get_from(&client, custom, "/", None).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(response.headers()["retry-after"], "5");
+    assert_eq!(text(response).await, "slow down");
+    let response = get_from(&client, plain, "/", None).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(response.headers().get("retry-after").is_none());
+    drop(held);
+
+    // Redis gone: refused the same way, not let through.
+    redis.kill();
+    let response = get_from(&client, custom, "/", None).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(response.headers()["retry-after"], "5");
+}
+
+/// A route whose body streams what the test sends, so the test decides when it ends.
+fn streaming_router(chunks: mpsc::Receiver<Bytes>) -> Router {
+    let chunks = Arc::new(Mutex::new(Some(chunks)));
+    Router::new().route(
+        "/stream",
+        get(move || {
+            let chunks = chunks.lock().unwrap().take().expect("one request");
+            async move { Body::from_stream(ReceiverStream::new(chunks).map(Ok::<_, Infallible>)) }
+        }),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_body_holds_its_permit_until_its_last_byte() {
+    let redis = Redis::start().await;
+    let sem = semaphore("stream", 2, redis.backend().await);
+    let (send, chunks) = mpsc::channel(1);
+    let addr = serve(
+        streaming_router(chunks).layer(DistributedConcurrencyLimitLayer::new(sem.clone()).http()),
+    )
+    .await;
+    let response = get_from(&client(), addr, "/stream", None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    assert_eq!(available(&sem).await, 1, "the head is out, the body holds");
+
+    send.send(Bytes::from_static(b"first")).await.unwrap();
+    let frame = bounded("a frame", body.frame()).await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "first");
+    assert_eq!(available(&sem).await, 1, "half read, still held");
+
+    send.send(Bytes::from_static(b"last")).await.unwrap();
+    drop(send);
+    let rest = bounded("the rest", body.collect()).await.unwrap();
+    assert_eq!(rest.to_bytes(), "last");
+    wait_available(&sem, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_streaming_response_frees_its_permit() {
+    let sem = semaphore("abandoned", 1, MemoryBackend::new());
+    let (send, chunks) = mpsc::channel(1);
+    let addr = serve(
+        streaming_router(chunks).layer(DistributedConcurrencyLimitLayer::new(sem.clone()).http()),
+    )
+    .await;
+    let response = get_from(&client(), addr, "/stream", None).await;
+    send.send(Bytes::from_static(b"first")).await.unwrap();
+    assert_eq!(available(&sem).await, 0);
+    // The client goes away mid-body; the server drops the body and with it the permit.
+    drop(response);
+    wait_available(&sem, 1).await;
+    drop(send);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_at_head_frees_the_permit_before_the_body_ends() {
+    let sem = semaphore("head", 1, MemoryBackend::new());
+    let (send, chunks) = mpsc::channel(1);
+    let addr = serve(
+        streaming_router(chunks).layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .http()
+                .release_at_head(),
+        ),
+    )
+    .await;
+    let response = get_from(&client(), addr, "/stream", None).await;
+    wait_available(&sem, 1).await;
+    send.send(Bytes::from_static(b"still streaming"))
+        .await
+        .unwrap();
+    drop(send);
+    assert_eq!(text(response).await, "still streaming");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_reach_the_handler_and_increase() {
+    let sem = semaphore("tokens", 1, MemoryBackend::new());
+    let app = Router::new()
+        .route(
+            "/",
+            get(
+                |Extension(FencingToken(token)): Extension<FencingToken>| async move {
+                    token.to_string()
+                },
+            ),
+        )
+        .layer(DistributedConcurrencyLimitLayer::new(sem).http());
+    let addr = serve(app).await;
+    let client = client();
+    let mut last = 0;
+    for _ in 0..3 {
+        let token: u64 = text(get_from(&client, addr, "/", None).await)
+            .await
+            .parse()
+            .unwrap();
+        assert!(token > last, "{token} after {last}");
+        last = token;
+    }
+}
+
+/// A service that signals when it is called and then never answers.
+#[derive(Clone)]
+struct Stuck(mpsc::UnboundedSender<()>);
+
+impl Service<Request<()>> for Stuck {
+    type Response = Response<String>;
+    type Error = Infallible;
+    type Future = std::future::Pending<Result<Response<String>, Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<()>) -> Self::Future {
+        let _ = self.0.send(());
+        std::future::pending()
+    }
+}
+
+fn stuck() -> (Stuck, mpsc::UnboundedReceiver<()>) {
+    let (started, starts) = mpsc::unbounded_channel();
+    (Stuck(started), starts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_response_future_frees_the_permit() {
+    let redis = Redis::start().await;
+    let sem = semaphore("dropped", 1, redis.backend().await);
+    for http in [false, true] {
+        let (inner, mut starts) = stuck();
+        let layer = DistributedConcurrencyLimitLayer::new(sem.clone());
+        let call = if http {
+            let svc = ServiceBuilder::new().layer(layer.http()).service(inner);
+            tokio::spawn(async move {
+                let _ = svc.oneshot(Request::new(())).await;
+            })
+        } else {
+            let svc = ServiceBuilder::new().layer(layer).service(inner);
+            tokio::spawn(async move {
+                let _ = svc.oneshot(Request::new(())).await;
+            })
+        };
+        bounded("the inner service to be called", starts.recv())
+            .await
+            .unwrap();
+        assert_eq!(available(&sem).await, 0, "held while the call runs");
+        call.abort();
+        wait_available(&sem, 1).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ready_service_reserves_nothing_and_its_clone_carries_nothing() {
+    let sem = semaphore("ready", 1, MemoryBackend::new());
+    let (inner, mut starts) = stuck();
+    let mut svc = ServiceBuilder::new()
+        .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).http())
+        .service(inner);
+    svc.ready().await.unwrap();
+    let mut clone = svc.clone();
+    assert_eq!(available(&sem).await, 1, "readiness takes no permit");
+    drop(svc);
+    assert_eq!(
+        available(&sem).await,
+        1,
+        "a dropped ready service strands nothing"
+    );
+
+    // The clone gets its own permit only when it is called.
+    clone.ready().await.unwrap();
+    let future = clone.call(Request::new(()));
+    let call = tokio::spawn(future);
+    bounded("the call", starts.recv()).await.unwrap();
+    assert_eq!(available(&sem).await, 0);
+    call.abort();
+    wait_available(&sem, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generic_refusals_downcast_to_the_crate_error() {
+    let mut redis = Redis::start().await;
+    let sem = Semaphore::builder("generic")
+        .limit(1)
+        .acquire_timeout(Duration::from_millis(200))
+        .build(redis.backend().await)
+        .unwrap();
+    let server = serve(Router::new().route("/", get(|| async { "ok" }))).await;
+    let uri = format!("http://{server}/");
+    // A hyper-util client capped by the layer: generic flavour, BoxError out.
+    let limited = |layer: DistributedConcurrencyLimitLayer| {
+        ServiceBuilder::new().layer(layer).service(client())
+    };
+    let request = || {
+        Request::get(uri.as_str())
+            .body(Empty::<Bytes>::new())
+            .unwrap()
+    };
+
+    let response = bounded(
+        "a response",
+        limited(DistributedConcurrencyLimitLayer::new(sem.clone())).oneshot(request()),
+    )
+    .await
+    .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+
+    let held = sem.acquire().await.unwrap();
+    let err: BoxError = bounded(
+        "a refusal",
+        limited(DistributedConcurrencyLimitLayer::new(sem.clone()).reject_when_full())
+            .oneshot(request()),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err.downcast_ref::<Error>(), Some(Error::Timeout { .. })),
+        "{err:?}"
+    );
+    let err = bounded(
+        "a timeout",
+        limited(DistributedConcurrencyLimitLayer::new(sem.clone())).oneshot(request()),
+    )
+    .await
+    .unwrap_err();
+    match err.downcast_ref::<Error>() {
+        Some(Error::Timeout { waited }) => assert!(*waited >= Duration::from_millis(200)),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    drop(held);
+
+    // A single attempt, so the backend's own timeout (1 s) is not cut short by the 200 ms wait.
+    redis.kill();
+    let err = bounded(
+        "a backend error",
+        limited(DistributedConcurrencyLimitLayer::new(sem.clone()).reject_when_full())
+            .oneshot(request()),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err.downcast_ref::<Error>(), Some(Error::Backend(_))),
+        "{err:?}"
+    );
+}
+
+fn api_key_partitions(backend: impl Backend + Clone, capacity: usize) -> Partitions {
+    Partitions::builder("tenants")
+        .key_header(HeaderName::from_static("x-api-key"))
+        .limit_by(|key| if key.starts_with("pro-") { 2 } else { 1 })
+        .max_key_len(16)
+        .capacity(capacity)
+        .acquire_timeout(BOUND)
+        .build(backend)
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_limit_each_key_separately() {
+    let redis = Redis::start().await;
+    let partitions = api_key_partitions(redis.backend().await, 100);
+    let probe = Probe::new();
+    let addr = serve(
+        probe.router().layer(
+            DistributedConcurrencyLimitLayer::partitioned(partitions.clone())
+                .reject_when_full()
+                .http(),
+        ),
+    )
+    .await;
+    let client = client();
+    let mut held = tokio::task::JoinSet::new();
+    for key in ["free-1", "pro-1", "pro-1"] {
+        let client = client.clone();
+        held.spawn(async move { get_from(&client, addr, "/", Some(key)).await });
+    }
+    wait_until("three keyed handlers to run", || probe.active() == 3).await;
+    // Each key is at its own limit; another key still has room.
+    for key in ["free-1", "pro-1"] {
+        let response = get_from(&client, addr, "/", Some(key)).await;
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{key}");
+    }
+    assert_eq!(available(&partitions.semaphore("free-1").unwrap()).await, 0);
+    assert_eq!(available(&partitions.semaphore("pro-1").unwrap()).await, 0);
+    assert_eq!(
+        partitions.semaphore("pro-1").unwrap().name(),
+        "tenants:pro-1"
+    );
+    held.spawn({
+        let client = client.clone();
+        async move { get_from(&client, addr, "/", Some("free-2")).await }
+    });
+    wait_until("a fourth key's handler to run", || probe.active() == 4).await;
+
+    // No key, or a key past max_key_len: 400, and nothing reaches the handler.
+    let response = get_from(&client, addr, "/", None).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    let response = get_from(&client, addr, "/", Some("x".repeat(17).as_str())).await;
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(probe.started(), 4);
+
+    probe.open();
+    while let Some(response) = bounded("the held requests", held.join_next()).await {
+        assert_eq!(response.unwrap().status(), StatusCode::OK);
+    }
+    wait_available(&partitions.semaphore("pro-1").unwrap(), 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyless_requests_can_share_a_default_semaphore() {
+    let backend = MemoryBackend::new();
+    let shared = semaphore("anonymous", 1, backend.clone());
+    let partitions = Partitions::builder("tenants")
+        .key_header(HeaderName::from_static("x-api-key"))
+        .limit(1)
+        .without_key(WithoutKey::Shared(shared.clone()))
+        .build(backend)
+        .unwrap();
+    let probe = Probe::new();
+    let addr = serve(
+        probe.router().layer(
+            DistributedConcurrencyLimitLayer::partitioned(partitions)
+                .reject_when_full()
+                .http(),
+        ),
+    )
+    .await;
+    let client = client();
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { get_from(&client, addr, "/", None).await }
+    });
+    wait_until("the keyless handler to run", || probe.active() == 1).await;
+    assert_eq!(available(&shared).await, 0);
+    let response = get_from(&client, addr, "/", None).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    probe.open();
+    assert_eq!(
+        bounded("the first", first).await.unwrap().status(),
+        StatusCode::OK
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_key_map_stays_within_its_capacity() {
+    let partitions = api_key_partitions(MemoryBackend::new(), 4);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(DistributedConcurrencyLimitLayer::partitioned(partitions.clone()).http());
+    let addr = serve(app).await;
+    let client = client();
+    for i in 0..50 {
+        let response = get_from(&client, addr, "/", Some(&format!("key-{i}"))).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(partitions.cached() <= 4, "{} cached", partitions.cached());
+    }
+    assert_eq!(partitions.cached(), 4);
+    // An evicted key's semaphore is rebuilt on demand with the same state.
+    let sem = partitions.semaphore("key-0").unwrap();
+    assert_eq!(available(&sem).await, 1);
+}
+
+#[cfg(feature = "tonic")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tonic_clients_see_resource_exhausted_and_unavailable() {
+    use tonic::Code;
+    use tonic::transport::{Endpoint, Server};
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    tokio::spawn(
+        Server::builder()
+            .add_service(health)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let channel = bounded(
+        "a connection",
+        Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect(),
+    )
+    .await
+    .unwrap();
+
+    let mut redis = Redis::start().await;
+    let sem = semaphore("grpc", 1, redis.backend().await);
+    let mut client = HealthClient::new(
+        ServiceBuilder::new()
+            .layer(
+                DistributedConcurrencyLimitLayer::new(sem.clone())
+                    .reject_when_full()
+                    .grpc(),
+            )
+            .service(channel),
+    );
+    let check = || HealthCheckRequest {
+        service: String::new(),
+    };
+    bounded("a health check", client.check(check()))
+        .await
+        .unwrap();
+
+    let held = sem.acquire().await.unwrap();
+    let status = bounded("a refusal", client.check(check()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    drop(held);
+
+    redis.kill();
+    let status = bounded("a backend failure", client.check(check()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+}
