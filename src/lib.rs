@@ -9,8 +9,8 @@
 //!   server clock, never the client's.
 //! - **Nothing leaks.** A dropped [`Permit`] is released in the background; a cancelled
 //!   acquire releases what it may have taken; a crashed holder's slot returns after its lease.
-//! - **No polling.** Waiters sleep until a release is published, first come first served
-//!   within a process.
+//! - **Fair, no polling.** Waiters queue in the backend, first come first served across every
+//!   process; a freed slot is handed to the oldest waiter and the grant announced to it.
 //! - **Fencing tokens** strictly increase per semaphore, so a resource can refuse a holder
 //!   that was paused past its lease.
 //!

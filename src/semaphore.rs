@@ -187,9 +187,9 @@ impl Semaphore {
 
     /// Takes one permit, waiting up to the acquire timeout for one to come free.
     ///
-    /// Waiters in one process are served first come, first served and sleep until a release
-    /// is announced; they do not poll. Cancelling the returned future (dropping it, a timeout
-    /// around it) never leaks a permit.
+    /// Waiters are served first come, first served across every process, and sleep until
+    /// their grant is announced; they do not poll. Cancelling the returned future (dropping it,
+    /// a timeout around it) never leaks a permit and leaves the line.
     pub async fn acquire(&self) -> Result<Permit, Error> {
         self.acquire_many(1).await
     }

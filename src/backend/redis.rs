@@ -1,9 +1,11 @@
 //! Permits in Redis, shared by every process and machine that uses the same server.
 //!
-//! One sorted set and one hash per semaphore, both under the `{name}` hash tag; every operation
-//! is one call of `lua/semaphore.lua`, invoked by SHA (reloaded on NOSCRIPT). Releases are
-//! published on the semaphore's channel; waiters in a process share the backend's one
-//! multiplexed RESP3 connection, subscribed to a channel only while someone waits on it.
+//! Four keys per semaphore (holders, meta, the waiting line and its liveness deadlines), all
+//! under the `{name}` hash tag; every operation is one call of `lua/semaphore.lua`, invoked by
+//! SHA (reloaded on NOSCRIPT). Grants to queued waiters are published on the semaphore's
+//! channel; a process's waiters share the backend's one multiplexed RESP3 connection,
+//! subscribed to a channel only while someone waits on it. Releases of dropped permits ride
+//! along with the semaphore's next call.
 
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::Duration;
