@@ -60,7 +60,9 @@
 
 mod backend;
 mod error;
+mod keeper;
 pub mod layer;
+mod outage;
 mod permit;
 mod semaphore;
 mod waitlist;
@@ -71,5 +73,6 @@ pub use layer::{
     DistributedConcurrencyLimitLayer, FencingToken, HttpConcurrencyLimitLayer, Partitions,
     WithoutKey,
 };
+pub use outage::OutagePolicy;
 pub use permit::Permit;
 pub use semaphore::{Semaphore, SemaphoreBuilder};

@@ -7,6 +7,7 @@ use tokio::time::Instant;
 
 use crate::Error;
 use crate::backend::Member;
+use crate::keeper::Lease;
 use crate::semaphore::Inner;
 
 /// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
@@ -41,9 +42,8 @@ pub struct Permit {
     semaphore: Arc<Inner>,
     member: Member,
     token: u64,
-    /// When the lease ends by this process's clock: the lease counted from the moment the
-    /// acquire request was sent, so never later than the backend's own deadline.
-    deadline: Instant,
+    /// The lease as this process knows it, renewed by the semaphore's keeper.
+    lease: Arc<Lease>,
     released: bool,
 }
 
@@ -64,13 +64,13 @@ impl Permit {
         semaphore: Arc<Inner>,
         member: Member,
         token: u64,
-        deadline: Instant,
+        lease: Arc<Lease>,
     ) -> Self {
         Permit {
             semaphore,
             member,
             token,
-            deadline,
+            lease,
             released: false,
         }
     }
@@ -91,19 +91,34 @@ impl Permit {
         self.token
     }
 
-    /// True once the lease has ended: another holder may have this slot now.
+    /// True once the lease is lost: it could not be renewed before it ended, or the backend
+    /// no longer knows this holder. Another holder may have this slot now; a resource guarded
+    /// by fencing tokens will refuse this one's. Never turns back to false.
     pub fn is_lost(&self) -> bool {
-        Instant::now() >= self.deadline
+        self.lease.is_lost()
     }
 
-    /// Resolves when the lease ends (at once if it has).
+    /// Resolves when the lease is lost (at once if it is). The semaphore renews the lease of
+    /// every live permit, so this only happens when the backend cannot be reached in time,
+    /// the process was paused past the lease, or the holder was removed behind its back.
     pub async fn lost(&self) {
-        tokio::time::sleep_until(self.deadline).await;
+        self.lease.lost().await;
     }
 
-    /// How long until the lease ends (zero once lost).
+    /// How long until the lease ends unless renewed (zero once lost).
     pub fn remaining(&self) -> Duration {
-        self.deadline.saturating_duration_since(Instant::now())
+        if self.is_lost() {
+            return Duration::ZERO;
+        }
+        self.lease
+            .deadline()
+            .saturating_duration_since(Instant::now())
+    }
+
+    /// True for a permit handed out by the [`OutagePolicy`](crate::OutagePolicy) while the
+    /// backend was down: it counts against this process's local limit only (or none).
+    pub fn is_degraded(&self) -> bool {
+        self.semaphore.degraded
     }
 
     /// Gives the permit back now and reports whether the backend took it. Idempotent: after a
@@ -112,6 +127,7 @@ impl Permit {
         if !self.released {
             self.semaphore.handle.release(&self.member).await?;
             self.released = true;
+            self.semaphore.keeper.forget(&self.member.text);
         }
         Ok(())
     }
@@ -120,6 +136,7 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if !self.released {
+            self.semaphore.keeper.forget(&self.member.text);
             self.semaphore.handle.release_later(self.member.clone());
         }
     }

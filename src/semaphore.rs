@@ -1,12 +1,15 @@
 //! The semaphore: validated settings, one-shot and waiting acquisition.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::Error;
 use crate::backend::{Attempt, Backend, Handle, KEEPALIVE, Member};
+use crate::keeper::{Keeper, Lease};
+use crate::outage::OutagePolicy;
 use crate::permit::Permit;
 use crate::waitlist::Event;
 
@@ -55,6 +58,14 @@ pub(crate) struct Inner {
     lease: Duration,
     acquire_timeout: Duration,
     pub(crate) handle: Arc<dyn Handle>,
+    pub(crate) keeper: Arc<Keeper>,
+    outage: OutagePolicy,
+    /// The in-process semaphore that admits requests while the backend is down (by the outage
+    /// policy); `None` when failing closed.
+    fallback: Option<Semaphore>,
+    outage_decisions: AtomicU64,
+    /// This is a fallback: its permits are degraded.
+    pub(crate) degraded: bool,
 }
 
 impl std::fmt::Debug for Semaphore {
@@ -64,6 +75,7 @@ impl std::fmt::Debug for Semaphore {
             .field("limit", &self.inner.limit)
             .field("lease", &self.inner.lease)
             .field("acquire_timeout", &self.inner.acquire_timeout)
+            .field("outage", &self.inner.outage)
             .finish_non_exhaustive()
     }
 }
@@ -85,6 +97,7 @@ pub struct SemaphoreBuilder {
     limit: Option<u32>,
     lease: Duration,
     acquire_timeout: Duration,
+    outage: OutagePolicy,
 }
 
 impl SemaphoreBuilder {
@@ -108,10 +121,17 @@ impl SemaphoreBuilder {
         self
     }
 
+    /// What to do when the backend cannot be reached: refuse (the default), let requests
+    /// through, or limit in this process alone. See [`OutagePolicy`].
+    pub fn on_outage(mut self, policy: OutagePolicy) -> Self {
+        self.outage = policy;
+        self
+    }
+
     /// Checks the settings and opens the semaphore on `backend`.
     ///
     /// Fails with [`Error::Config`] for an empty name, a missing or zero limit, a lease under
-    /// 1 ms or over 49 days, or a zero acquire timeout.
+    /// 1 ms or over 49 days, a zero acquire timeout, or a local outage limit of 0.
     pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
         if self.name.is_empty() {
             return Err(Error::config(
@@ -145,16 +165,22 @@ impl SemaphoreBuilder {
                 self.name
             )));
         }
-        let handle = backend.open(&self.name, limit);
-        Ok(Semaphore {
-            inner: Arc::new(Inner {
-                name: self.name,
-                limit,
-                lease: self.lease,
-                acquire_timeout: self.acquire_timeout,
-                handle,
-            }),
-        })
+        let fallback = match self.outage.local_limit() {
+            None => None,
+            Some(0) => {
+                return Err(Error::config(format!(
+                    "semaphore {:?}: a local outage limit of 0 admits nobody; use \
+                     OutagePolicy::FailClosed to refuse during outages",
+                    self.name
+                )));
+            }
+            Some(local) => {
+                let settings = self.clone().on_outage(OutagePolicy::FailClosed);
+                let backend = crate::MemoryBackend::new();
+                Some(Semaphore::open(&settings, local, &backend, None, true))
+            }
+        };
+        Ok(Semaphore::open(&self, limit, &backend, fallback, false))
     }
 }
 
@@ -167,7 +193,39 @@ impl Semaphore {
             limit: None,
             lease: DEFAULT_LEASE,
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+            outage: OutagePolicy::FailClosed,
         }
+    }
+
+    /// `degraded`: this is the in-process fallback of another semaphore.
+    fn open(
+        settings: &SemaphoreBuilder,
+        limit: u32,
+        backend: &dyn Backend,
+        fallback: Option<Semaphore>,
+        degraded: bool,
+    ) -> Semaphore {
+        let handle = backend.open(&settings.name, limit);
+        Semaphore {
+            inner: Arc::new(Inner {
+                name: settings.name.clone(),
+                limit,
+                lease: settings.lease,
+                acquire_timeout: settings.acquire_timeout,
+                keeper: Keeper::new(handle.clone(), settings.lease),
+                handle,
+                outage: settings.outage,
+                fallback,
+                outage_decisions: AtomicU64::new(0),
+                degraded,
+            }),
+        }
+    }
+
+    /// How many requests the [`OutagePolicy`] decided because the backend failed (refused,
+    /// let through, or limited locally) since this semaphore was built: alert on its growth.
+    pub fn outage_decisions(&self) -> u64 {
+        self.inner.outage_decisions.load(Ordering::Relaxed)
     }
 
     /// The name shared by every process.
@@ -196,15 +254,15 @@ impl Semaphore {
 
     /// Takes `weight` permits at once, as one holder, waiting like [`acquire`](Self::acquire).
     ///
-    /// A weight of 0 or above the limit fails at once with [`Error::Config`].
+    /// A weight of 0 or above the limit fails at once with [`Error::Config`]. A backend that
+    /// fails or does not answer before the acquire timeout gives [`Error::Backend`], or what
+    /// the semaphore's [`OutagePolicy`] says.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
         self.check_weight(weight)?;
-        let started = Instant::now();
-        match tokio::time::timeout(self.inner.acquire_timeout, self.wait_for(weight)).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::Timeout {
-                waited: started.elapsed(),
-            }),
+        let deadline = Instant::now() + self.inner.acquire_timeout;
+        match self.wait_for(weight, deadline).await {
+            Err(e @ Error::Backend(_)) => self.outage(e, weight, Some(deadline)).await,
+            other => other,
         }
     }
 
@@ -216,17 +274,29 @@ impl Semaphore {
     /// One attempt at `weight` permits: `Ok(None)` when they do not fit now, or when others
     /// are already waiting for them (a one-shot attempt does not jump the line).
     ///
-    /// A weight of 0 or above the limit fails with [`Error::Config`].
+    /// A weight of 0 or above the limit fails with [`Error::Config`]; a failing backend with
+    /// [`Error::Backend`], or what the semaphore's [`OutagePolicy`] says.
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
         self.check_weight(weight)?;
+        match self.try_once(weight).await {
+            Err(e @ Error::Backend(_)) => match self.outage(e, weight, None).await {
+                Ok(permit) => Ok(Some(permit)),
+                Err(Error::Timeout { .. }) => Ok(None),
+                Err(e) => Err(e),
+            },
+            other => other,
+        }
+    }
+
+    async fn try_once(&self, weight: u32) -> Result<Option<Permit>, Error> {
         let mut pending = Pending::new(&self.inner.handle, weight, self.inner.lease);
         let sent = Instant::now();
-        match self
+        let attempt = self
             .inner
             .handle
             .acquire(&pending.member, false, true)
-            .await?
-        {
+            .await?;
+        match attempt {
             Attempt::Granted { token, lease } => {
                 Ok(Some(self.permit(pending, token, sent + lease)))
             }
@@ -236,6 +306,31 @@ impl Semaphore {
             }
             // Not asked for; the pending guard takes the member out of the line again.
             Attempt::Queued { .. } => Ok(None),
+        }
+    }
+
+    /// Decides a request the backend could not: by the outage policy, with the in-process
+    /// fallback semaphore (waiting up to `deadline`, or a single attempt).
+    async fn outage(
+        &self,
+        error: Error,
+        weight: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Permit, Error> {
+        self.inner.outage_decisions.fetch_add(1, Ordering::Relaxed);
+        let Some(fallback) = self.inner.fallback.as_ref().filter(|f| weight <= f.limit()) else {
+            tracing::warn!(target: "tower_distributed_limit::outage", semaphore = %self.inner.name,
+                policy = ?self.inner.outage, error = %error, "backend failed: request refused");
+            return Err(error);
+        };
+        tracing::warn!(target: "tower_distributed_limit::outage", semaphore = %self.inner.name,
+            policy = ?self.inner.outage, error = %error,
+            "backend failed: request admitted by the outage policy");
+        match deadline {
+            Some(deadline) => fallback.wait_for(weight, deadline).await,
+            None => fallback.try_once(weight).await?.ok_or(Error::Timeout {
+                waited: Duration::ZERO,
+            }),
         }
     }
 
@@ -255,18 +350,38 @@ impl Semaphore {
         Ok(())
     }
 
-    /// Waits for a permit without a deadline; [`acquire_many`](Self::acquire_many) bounds it.
+    /// Waits for a permit until `deadline`.
     ///
     /// One call queues the waiter in the backend's line (or grants at once); the grant is
-    /// then announced to this process's waitlist, so waiting costs no further round trip.
-    async fn wait_for(&self, weight: u32) -> Result<Permit, Error> {
+    /// then announced to this process's waitlist, so waiting costs no further round trip. A
+    /// first call cut off by the deadline is a backend failure (it did not answer); a wait cut
+    /// off is a timeout.
+    async fn wait_for(&self, weight: u32, deadline: Instant) -> Result<Permit, Error> {
+        let started = Instant::now();
+        let timeout = || Error::Timeout {
+            waited: started.elapsed(),
+        };
         let handle = &self.inner.handle;
         let pending = Pending::new(handle, weight, self.inner.lease);
         let ticket = handle.waitlist().register(pending.member.text.clone());
         let mut first = true;
         loop {
             let sent = Instant::now();
-            let attempt = handle.acquire(&pending.member, true, first).await?;
+            let call = handle.acquire(&pending.member, true, first);
+            let attempt = match tokio::time::timeout_at(deadline, call).await {
+                Ok(attempt) => attempt?,
+                Err(_) if first => {
+                    return Err(Error::backend(
+                        format!(
+                            "the backend did not answer within the acquire timeout ({:?}); \
+                             Redis may be overloaded, paused or unreachable",
+                            self.inner.acquire_timeout
+                        ),
+                        None,
+                    ));
+                }
+                Err(_) => return Err(timeout()),
+            };
             first = false;
             let mut refresh = match attempt {
                 Attempt::Granted { token, lease } => {
@@ -282,7 +397,8 @@ impl Semaphore {
             };
             ticket.queued();
             loop {
-                match ticket.wait(refresh.min(KEEPALIVE)).await {
+                let event = tokio::time::timeout_at(deadline, ticket.wait(refresh.min(KEEPALIVE)));
+                match event.await.map_err(|_| timeout())? {
                     Event::Granted { token, lease, at } => {
                         return Ok(self.permit(pending, token, at + lease));
                     }
@@ -291,7 +407,8 @@ impl Semaphore {
                     Event::Touch => {
                         let list = handle.waitlist();
                         let members = list.queued_members();
-                        let (statuses, retry_in) = handle.touch(&members).await?;
+                        let touch = tokio::time::timeout_at(deadline, handle.touch(&members));
+                        let (statuses, retry_in) = touch.await.map_err(|_| timeout())??;
                         list.apply(&members, &statuses);
                         refresh = retry_in;
                     }
@@ -302,7 +419,9 @@ impl Semaphore {
 
     fn permit(&self, mut pending: Pending<'_>, token: u64, deadline: Instant) -> Permit {
         pending.armed = false;
-        Permit::new(self.inner.clone(), pending.member.clone(), token, deadline)
+        let lease = Lease::new(deadline);
+        self.inner.keeper.keep(pending.member.text.clone(), &lease);
+        Permit::new(self.inner.clone(), pending.member.clone(), token, lease)
     }
 }
 

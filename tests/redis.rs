@@ -177,29 +177,21 @@ async fn a_killed_holder_gives_its_permits_back_after_the_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_expire_with_the_last_lease() {
     let redis = Redis::start().await;
-    let sem = Semaphore::builder("ttl")
-        .limit(2)
-        .lease(Duration::from_secs(1))
-        .build(redis.backend().await)
-        .unwrap();
-    let permit = sem.acquire().await.unwrap();
-    assert_eq!(redis.dbsize().await, 2, "holders and meta");
+    let mut child = spawn_child(&redis, "hold");
+    child_says(&mut child).await;
     let mut conn = redis.conn().await;
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg("dlimit:{ttl}:holders")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert!((1..=1500).contains(&ttl), "holders TTL {ttl} ms");
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg("dlimit:{ttl}:meta")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert!((1..=1500).contains(&ttl), "meta TTL {ttl} ms");
-    // Redis drops both keys when the lease passes, even with nobody calling.
-    std::mem::forget(permit);
-    eventually(Duration::from_secs(3), "the keys to expire", || async {
+    for key in ["dlimit:{crash}:holders", "dlimit:{crash}:meta"] {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        // At most the 1 s lease plus half a lease of slack.
+        assert!((1..=1500).contains(&ttl), "{key} TTL {ttl} ms");
+    }
+    // The holder dies; nobody calls the script again, and Redis drops the keys by itself.
+    child.kill().await.unwrap();
+    eventually(Duration::from_secs(4), "the keys to expire", || async {
         redis.dbsize().await == 0
     })
     .await;

@@ -250,6 +250,24 @@ impl Handle for MemorySemaphore {
         Box::pin(async move { Ok(found) })
     }
 
+    fn renew<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>> {
+        let renewed = self.with(|permits, now, _| {
+            members
+                .iter()
+                .map(|member| {
+                    let (deadline, _) = permits.holders.get_mut(member)?;
+                    let lease = super::Member::lease_of(member)?;
+                    *deadline = now + lease;
+                    Some(lease)
+                })
+                .collect()
+        });
+        Box::pin(async move { Ok(renewed) })
+    }
+
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
         let used = self.with(|permits, _, _| permits.used);
         Box::pin(async move { Ok(used) })

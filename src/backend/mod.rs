@@ -71,6 +71,12 @@ impl Member {
     pub fn id(&self) -> &str {
         self.text.split(':').next().unwrap_or_default()
     }
+
+    /// The lease written into a member's text.
+    pub fn lease_of(text: &str) -> Option<Duration> {
+        let millis = text.rsplit(':').next()?.parse().ok()?;
+        Some(Duration::from_millis(millis))
+    }
 }
 
 /// What one acquire call found.
@@ -127,6 +133,13 @@ pub trait Handle: Send + Sync + 'static {
         &'a self,
         members: &'a [Arc<str>],
     ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>>;
+
+    /// Extends the leases of `members` that still hold; `None` for those that no longer do
+    /// (they are never added back).
+    fn renew<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>>;
 
     /// The weight held by live (unexpired) holders.
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>>;

@@ -414,6 +414,29 @@ impl Handle for RedisSemaphore {
         })
     }
 
+    fn renew<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+    ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>> {
+        Box::pin(async move {
+            let reply = self
+                .run("renew", None, |script, _| {
+                    for member in members {
+                        script.arg(&**member);
+                    }
+                })
+                .await?;
+            match integers(&reply) {
+                Some(leases) if leases.len() == members.len() => Ok(leases
+                    .into_iter()
+                    .map(|ms| u64::try_from(ms).ok().filter(|&ms| ms > 0))
+                    .map(|ms| ms.map(Duration::from_millis))
+                    .collect()),
+                _ => Err(unexpected(&reply)),
+            }
+        })
+    }
+
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
         Box::pin(async move {
             match self.run("used", None, |_, _| {}).await? {

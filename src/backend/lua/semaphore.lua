@@ -17,6 +17,8 @@
 --   release                          -> how many of the k members held or waited
 --   touch <patience ms> <member>...  -> {retry ms, then per member: 1, token, lease ms (granted)
 --                                        | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
+--   renew <member>...                -> per member: its new lease ms, or 0 if it no longer holds
+--                                       (expired or removed: it is never added back)
 --   used                             -> live weight
 -- Whenever queued waiters fit they are admitted in arrival order, and each grant is published
 -- on the channel as "<member> <token> <lease ms>". "retry ms" is the time until the earliest
@@ -63,6 +65,16 @@ else
   end
 end
 
+-- Holders and meta outlive the latest lease by at most half a lease.
+local function cover(lease)
+  if now + lease > horizon then
+    horizon = now + lease + math.floor(lease / 2)
+    redis.call('PEXPIREAT', holders, horizon)
+    redis.call('PEXPIREAT', meta, horizon)
+    changed = true
+  end
+end
+
 local function grant(member)
   local weight, lease = parse(member)
   redis.call('ZADD', holders, now + lease, member)
@@ -70,11 +82,7 @@ local function grant(member)
   -- Strictly increasing; the server time in µs as a floor keeps the token above every token
   -- issued before the counter expired in an idle spell.
   fence = math.max(fence + 1, now_us)
-  if now + lease > horizon then
-    horizon = now + lease + math.floor(lease / 2)
-    redis.call('PEXPIREAT', holders, horizon)
-    redis.call('PEXPIREAT', meta, horizon)
-  end
+  cover(lease)
   changed = true
   return fence, lease
 end
@@ -182,6 +190,21 @@ elseif op == 'touch' then
     table.insert(reply, state)
     table.insert(reply, token)
     table.insert(reply, lease)
+  end
+elseif op == 'renew' then
+  reply = {}
+  for i = args, #ARGV do
+    local member = ARGV[i]
+    local _, lease = parse(member)
+    -- XX: only a member that still holds is extended; CH: count it when its score changed.
+    if lease > 0 and redis.call('ZADD', holders, 'XX', 'CH', now + lease, member) == 1 then
+      cover(lease)
+      table.insert(reply, lease)
+    elseif redis.call('ZSCORE', holders, member) then
+      table.insert(reply, lease) -- renewed twice within the same millisecond
+    else
+      table.insert(reply, 0)
+    end
   end
 elseif op == 'used' then
   reply = math.max(used, 0)
