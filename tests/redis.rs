@@ -2,46 +2,12 @@
 
 mod support;
 
-use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tower_distributed_limit::{Error, RedisBackend, Semaphore};
 
-use support::{Redis, eventually};
-
-const ROLE: &str = "DLIMIT_TEST_ROLE";
-const URL: &str = "DLIMIT_TEST_URL";
-
-/// Starts this test binary again as a child process playing `role` against `redis`.
-fn spawn_child(redis: &Redis, role: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "child_process", "--nocapture"])
-        .env(ROLE, role)
-        .env(URL, &redis.url)
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn the test binary as a child")
-}
-
-/// Reads the child's stdout until a line starting with `DLIMIT ` and returns the rest.
-async fn child_says(child: &mut Child) -> String {
-    let stdout = child.stdout.as_mut().expect("piped stdout");
-    let mut lines = BufReader::new(stdout).lines();
-    let read = async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            if let Some(said) = line.strip_prefix("DLIMIT ") {
-                return said.to_owned();
-            }
-        }
-        panic!("child exited without reporting");
-    };
-    tokio::time::timeout(Duration::from_secs(60), read)
-        .await
-        .expect("child reported in time")
-}
+use support::{ROLE, Redis, URL, child_says, eventually, spawn_child};
 
 /// The body of the child processes; a no-op unless started by `spawn_child`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,7 +2,11 @@
 #![allow(dead_code)] // each test crate uses its own part of this module
 
 use std::future::Future;
+use std::process::Stdio;
 use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
 
 use redis::aio::MultiplexedConnection;
 use redis_test::server::RedisServer;
@@ -21,25 +25,8 @@ impl Redis {
         let (host, port) = server.host_and_port().expect("a TCP server");
         assert_ne!(port, 6379, "tests never use the default port");
         let url = format!("redis://{host}:{port}");
-        let redis = Redis { server, url };
-        eventually(
-            Duration::from_secs(10),
-            "redis-server to answer PING",
-            || async {
-                let Ok(client) = redis::Client::open(redis.url.as_str()) else {
-                    return false;
-                };
-                match client.get_multiplexed_async_connection().await {
-                    Ok(mut conn) => redis::cmd("PING")
-                        .query_async::<String>(&mut conn)
-                        .await
-                        .is_ok(),
-                    Err(_) => false,
-                }
-            },
-        )
-        .await;
-        redis
+        wait_for_ping(&url).await;
+        Redis { server, url }
     }
 
     pub async fn backend(&self) -> RedisBackend {
@@ -80,6 +67,48 @@ impl Redis {
     pub fn kill(&mut self) {
         self.server.stop();
     }
+
+    /// The redis-server's process id, for SIGSTOP / SIGCONT.
+    pub fn pid(&self) -> u32 {
+        self.server.process.id()
+    }
+
+    /// Starts a fresh, empty redis-server on the same port after [`Redis::kill`].
+    pub async fn restart(&mut self) {
+        let addr = self.server.client_addr().clone();
+        self.server = RedisServer::new_with_addr_and_modules(addr, &[], false);
+        wait_for_ping(&self.url).await;
+    }
+}
+
+async fn wait_for_ping(url: &str) {
+    eventually(
+        Duration::from_secs(10),
+        "redis-server to answer PING",
+        || async {
+            let Ok(client) = redis::Client::open(url) else {
+                return false;
+            };
+            match client.get_multiplexed_async_connection().await {
+                Ok(mut conn) => redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .is_ok(),
+                Err(_) => false,
+            }
+        },
+    )
+    .await;
+}
+
+/// Sends `signal` (e.g. "STOP", "CONT") to process `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {pid} failed");
 }
 
 /// Polls `condition` every 10 ms until it holds; panics naming `what` after `limit`.
@@ -99,4 +128,38 @@ where
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+pub const ROLE: &str = "DLIMIT_TEST_ROLE";
+pub const URL: &str = "DLIMIT_TEST_URL";
+
+/// Starts this test binary again as a child process playing `role` against `redis`: the
+/// binary's `child_process` test (ignored in normal runs) reads [`ROLE`] and [`URL`].
+pub fn spawn_child(redis: &Redis, role: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_process", "--nocapture"])
+        .env(ROLE, role)
+        .env(URL, &redis.url)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn the test binary as a child")
+}
+
+/// Reads the child's stdout until a line starting with `DLIMIT ` and returns the rest.
+pub async fn child_says(child: &mut Child) -> String {
+    let stdout = child.stdout.as_mut().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let read = async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(said) = line.strip_prefix("DLIMIT ") {
+                return said.to_owned();
+            }
+        }
+        panic!("child exited without reporting");
+    };
+    tokio::time::timeout(Duration::from_secs(60), read)
+        .await
+        .expect("child reported in time")
 }

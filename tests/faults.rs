@@ -1,0 +1,253 @@
+//! What goes wrong, on purpose: keys deleted behind a holder, Redis killed and restarted,
+//! Redis paused, a client paused past its lease, and each outage policy.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncWriteExt;
+use tower_distributed_limit::{Error, OutagePolicy, RedisBackend, Semaphore};
+
+use support::{ROLE, Redis, URL, child_says, eventually, signal, spawn_child};
+
+/// A resource guarded by fencing tokens: it remembers the highest token it has seen and
+/// refuses writes that carry an older one.
+#[derive(Default)]
+struct FencedStore {
+    highest: u64,
+    writes: Vec<u64>,
+}
+
+impl FencedStore {
+    fn write(&mut self, token: u64) -> Result<(), String> {
+        if token < self.highest {
+            return Err(format!("stale token {token}: {} was seen", self.highest));
+        }
+        self.highest = token;
+        self.writes.push(token);
+        Ok(())
+    }
+}
+
+/// One permit with a 1 s lease, so leases run out within the tests.
+fn semaphore(name: &str) -> tower_distributed_limit::SemaphoreBuilder {
+    Semaphore::builder(name)
+        .limit(1)
+        .lease(Duration::from_secs(1))
+        .acquire_timeout(Duration::from_secs(5))
+}
+
+/// The child: holds the semaphore's only permit until told to check it on stdin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "runs only as a child process of the other tests"]
+async fn child_process() {
+    let (Ok(role), Ok(url)) = (std::env::var(ROLE), std::env::var(URL)) else {
+        return;
+    };
+    assert_eq!(role, "pause", "unknown role");
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let sem = semaphore("paused").build(backend).unwrap();
+    let permit = sem.acquire().await.unwrap();
+    println!("DLIMIT held {}", permit.fencing_token());
+    let mut line = String::new();
+    tokio::io::AsyncBufReadExt::read_line(
+        &mut tokio::io::BufReader::new(tokio::io::stdin()),
+        &mut line,
+    )
+    .await
+    .unwrap();
+    // Right after SIGCONT the deadline has passed; the keeper's next renewal also finds the
+    // holder gone. Either way lost() resolves.
+    let lost = tokio::time::timeout(Duration::from_secs(2), permit.lost())
+        .await
+        .is_ok();
+    println!("DLIMIT lost={lost} is_lost={}", permit.is_lost());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_paused_past_its_lease_is_fenced_off() {
+    let redis = Redis::start().await;
+    let mut child = spawn_child(&redis, "pause");
+    let said = child_says(&mut child).await;
+    let stale: u64 = said.strip_prefix("held ").unwrap().parse().unwrap();
+    let pid = child.id().unwrap();
+    signal(pid, "STOP");
+
+    // While the holder is frozen its lease runs out and another process takes the slot.
+    let backend = redis.backend().await;
+    let sem = semaphore("paused").build(backend).unwrap();
+    let started = Instant::now();
+    let permit = sem
+        .acquire()
+        .await
+        .expect("the frozen holder's lease ran out");
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "the frozen holder's lease was not kept"
+    );
+    let mut store = FencedStore::default();
+    store.write(permit.fencing_token()).unwrap();
+
+    signal(pid, "CONT");
+    let stdin = child.stdin.as_mut().unwrap();
+    stdin.write_all(b"check\n").await.unwrap();
+    stdin.flush().await.unwrap();
+    assert_eq!(child_says(&mut child).await, "lost=true is_lost=true");
+    // The woken holder's writes carry its old token and are refused.
+    assert!(store.write(stale).is_err());
+    assert_eq!(store.writes, vec![permit.fencing_token()]);
+    assert!(child.wait().await.unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_the_keys_makes_the_permit_lost() {
+    let redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let sem = semaphore("deleted").build(backend).unwrap();
+    let permit = sem.acquire().await.unwrap();
+    assert!(!permit.is_lost());
+    let _: i64 = redis::cmd("DEL")
+        .arg("dlimit:{deleted}:holders")
+        .arg("dlimit:{deleted}:meta")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    // The next renewal (a third of the 1 s lease away) finds the holder gone.
+    tokio::time::timeout(Duration::from_millis(1500), permit.lost())
+        .await
+        .expect("lost within about one lease");
+    assert!(permit.is_lost());
+    assert_eq!(permit.remaining(), Duration::ZERO);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_redis_gives_bounded_errors_and_recovery_after_a_restart() {
+    let mut redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let sem = semaphore("restart")
+        .acquire_timeout(Duration::from_secs(2))
+        .build(backend)
+        .unwrap();
+    sem.acquire().await.unwrap().release().await.unwrap();
+
+    redis.kill();
+    let started = Instant::now();
+    assert!(matches!(sem.try_acquire().await, Err(Error::Backend(_))));
+    assert!(matches!(sem.acquire().await, Err(Error::Backend(_))));
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "errors took {:?}",
+        started.elapsed()
+    );
+
+    // Same port, empty server (no scripts, no keys): the same backend recovers by itself.
+    redis.restart().await;
+    eventually(
+        Duration::from_secs(10),
+        "the semaphore to work again",
+        || async { matches!(sem.try_acquire().await, Ok(Some(_))) },
+    )
+    .await;
+    // Waiting works again too: the grant reaches the waiter over the renewed subscription.
+    let mut held = sem.acquire().await.unwrap();
+    let waiter = {
+        let sem = sem.clone();
+        tokio::spawn(async move { sem.acquire().await.map(|p| p.fencing_token()) })
+    };
+    eventually(Duration::from_secs(5), "the waiter to queue", || async {
+        let queued: u64 = redis::cmd("ZCARD")
+            .arg("dlimit:{restart}:queue")
+            .query_async(&mut redis.conn().await)
+            .await
+            .unwrap();
+        queued == 1
+    })
+    .await;
+    held.release().await.unwrap();
+    let token = tokio::time::timeout(Duration::from_secs(3), waiter)
+        .await
+        .expect("the waiter was served")
+        .unwrap()
+        .unwrap();
+    assert!(token > held.fencing_token());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_redis_gives_bounded_errors_and_recovery_after_sigcont() {
+    let redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let sem = semaphore("frozen")
+        .acquire_timeout(Duration::from_millis(1500))
+        .build(backend)
+        .unwrap();
+    sem.acquire().await.unwrap().release().await.unwrap();
+
+    signal(redis.pid(), "STOP");
+    let started = Instant::now();
+    let one_shot = sem.try_acquire().await;
+    let waited = started.elapsed();
+    let waiting = sem.acquire().await;
+    let total = started.elapsed();
+    signal(redis.pid(), "CONT");
+    assert!(matches!(one_shot, Err(Error::Backend(_))), "{one_shot:?}");
+    assert!(matches!(waiting, Err(Error::Backend(_))), "{waiting:?}");
+    // Bounded by the 1 s call timeout and the 1.5 s acquire timeout (with retries' slack).
+    assert!(
+        waited < Duration::from_secs(3),
+        "try_acquire took {waited:?}"
+    );
+    assert!(total < Duration::from_secs(6), "both took {total:?}");
+
+    eventually(
+        Duration::from_secs(10),
+        "the semaphore to work again",
+        || async { matches!(sem.try_acquire().await, Ok(Some(_))) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_outage_policy_does_what_it_says() {
+    let mut redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let build = |name: &str, policy| {
+        semaphore(name)
+            .acquire_timeout(Duration::from_secs(2))
+            .on_outage(policy)
+            .build(backend.clone())
+            .unwrap()
+    };
+    let closed = build("closed", OutagePolicy::FailClosed);
+    let open = build("open", OutagePolicy::FailOpen);
+    let local = build("local", OutagePolicy::Local { limit: 1 });
+    for sem in [&closed, &open, &local] {
+        let permit = sem.acquire().await.unwrap();
+        assert!(!permit.is_degraded());
+    }
+
+    redis.kill();
+    // Fail closed: refused with the backend's error.
+    assert!(matches!(closed.acquire().await, Err(Error::Backend(_))));
+    assert_eq!(closed.outage_decisions(), 1);
+    // Fail open: let through, beyond the limit of 1, marked degraded.
+    let a = open.acquire().await.unwrap();
+    let b = open.try_acquire().await.unwrap().expect("fail open admits");
+    assert!(a.is_degraded() && b.is_degraded());
+    assert_eq!(open.outage_decisions(), 2);
+    // Local: at most 1 at once in this process.
+    let only = local.acquire().await.unwrap();
+    assert!(only.is_degraded());
+    assert!(local.try_acquire().await.unwrap().is_none());
+    drop(only);
+    assert!(local.try_acquire().await.unwrap().is_some());
+    assert_eq!(local.outage_decisions(), 3);
+
+    // Back to Redis once it answers, with no restart of the process.
+    redis.restart().await;
+    eventually(
+        Duration::from_secs(10),
+        "permits from Redis again",
+        || async { matches!(open.try_acquire().await, Ok(Some(p)) if !p.is_degraded()) },
+    )
+    .await;
+}
