@@ -45,6 +45,16 @@ pub enum Error {
         waited: Duration,
     },
 
+    /// The permit's lease was lost while the request ran (the backend could not be reached to
+    /// renew it, the process was paused past the lease, or the holder was removed), and the
+    /// layer was told to abort such requests.
+    #[error(
+        "the permit's lease was lost while the request ran, so the request was aborted; \
+         another holder may have the slot. Check that Redis is reachable and the lease is long \
+         enough for pauses"
+    )]
+    LeaseLost,
+
     /// The backend failed: Redis unreachable or too slow, a script error, or a key of the wrong
     /// type under the key prefix. The message says which and what to do.
     #[error(transparent)]

@@ -105,6 +105,12 @@ impl Permit {
         self.lease.lost().await;
     }
 
+    /// [`lost`](Self::lost) as a future that does not borrow the permit.
+    pub(crate) fn lost_signal(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let lease = self.lease.clone();
+        async move { lease.lost().await }
+    }
+
     /// How long until the lease ends unless renewed (zero once lost).
     pub fn remaining(&self) -> Duration {
         if self.is_lost() {

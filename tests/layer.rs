@@ -727,3 +727,40 @@ async fn tonic_clients_see_resource_exhausted_and_unavailable() {
         .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lease_aborts_the_request_when_asked() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("lost")
+        .limit(1)
+        .lease(Duration::from_secs(1))
+        .acquire_timeout(BOUND)
+        .build(redis.backend().await)
+        .unwrap();
+    let (inner, mut starts) = stuck();
+    let svc = ServiceBuilder::new()
+        .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).abort_when_lease_lost())
+        .service(inner);
+    let call = tokio::spawn(svc.oneshot(Request::new(())));
+    bounded("the inner service to be called", starts.recv())
+        .await
+        .unwrap();
+    // Time is the subject: renewals keep the request's slot past its 1 s lease...
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!call.is_finished(), "aborted while its lease was renewed");
+    // ...until the holder is removed behind its back, which the next renewal finds.
+    let _: i64 = redis::cmd("DEL")
+        .arg("dlimit:{lost}:holders")
+        .arg("dlimit:{lost}:meta")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    let error = bounded("the request to be aborted", call)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(error.downcast_ref::<Error>(), Some(Error::LeaseLost)),
+        "{error}"
+    );
+}

@@ -36,12 +36,17 @@ pin_project! {
             acquire: Acquire,
             // The ready inner service and the request, taken once the permit is held.
             call: Option<(S, Request<B>)>,
+            abort_on_lost: bool,
         },
         Calling {
             #[pin]
             future: S::Future,
             permit: Option<Permit>,
+            // Resolves if the lease is lost first (only when the layer aborts on it).
+            lost: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
         },
+        // Aborted: the lease was lost before the response.
+        Lost,
     }
 }
 
@@ -49,10 +54,16 @@ impl<S, B> Limited<S, B>
 where
     S: Service<Request<B>>,
 {
-    pub(crate) fn new(acquire: Acquire, ready: S, request: Request<B>) -> Self {
+    pub(crate) fn new(
+        acquire: Acquire,
+        ready: S,
+        request: Request<B>,
+        abort_on_lost: bool,
+    ) -> Self {
         Limited::Acquiring {
             acquire,
             call: Some((ready, request)),
+            abort_on_lost,
         }
     }
 }
@@ -66,7 +77,11 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
             match self.as_mut().project() {
-                LimitedProj::Acquiring { acquire, call } => {
+                LimitedProj::Acquiring {
+                    acquire,
+                    call,
+                    abort_on_lost,
+                } => {
                     let permit = ready!(acquire.as_mut().poll(cx)).map_err(Failure::Refused)?;
                     let Some((mut service, mut request)) = call.take() else {
                         polled_after_completion()
@@ -74,14 +89,33 @@ where
                     request
                         .extensions_mut()
                         .insert(FencingToken(permit.fencing_token()));
+                    let lost = abort_on_lost.then(|| Box::pin(permit.lost_signal()) as _);
                     let future = service.call(request);
                     self.set(Limited::Calling {
                         future,
                         permit: Some(permit),
+                        lost,
                     });
                 }
-                LimitedProj::Calling { future, permit } => {
-                    let result = ready!(future.poll(cx));
+                LimitedProj::Calling {
+                    future,
+                    permit,
+                    lost,
+                } => {
+                    let result = match future.poll(cx) {
+                        Poll::Ready(result) => result,
+                        Poll::Pending => {
+                            if let Some(lost) = lost {
+                                ready!(lost.as_mut().poll(cx));
+                                // Dropping the inner future aborts the request.
+                                self.set(Limited::Lost);
+                                return Poll::Ready(Err(Failure::Refused(Refusal::Busy(
+                                    crate::Error::LeaseLost,
+                                ))));
+                            }
+                            return Poll::Pending;
+                        }
+                    };
                     let Some(permit) = permit.take() else {
                         polled_after_completion()
                     };
@@ -90,6 +124,7 @@ where
                         Err(e) => Err(Failure::Inner(e)),
                     });
                 }
+                LimitedProj::Lost => polled_after_completion(),
             }
         }
     }

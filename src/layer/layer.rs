@@ -79,6 +79,18 @@ impl DistributedConcurrencyLimitLayer {
         self
     }
 
+    /// Abort a request whose permit's lease is lost before its response is ready: the inner
+    /// future is dropped and the request fails with [`Error::LeaseLost`](crate::Error::LeaseLost)
+    /// (answered like a refusal in [`http`](Self::http) mode). Off by default: leases are
+    /// renewed while the request runs, so a lease is only lost when Redis cannot be reached
+    /// for a whole lease or the process was paused, and the fencing token already protects a
+    /// resource that checks it; turn it on when running past a lost lease is worse than
+    /// failing. A streaming response body is not cut once its head was sent.
+    pub fn abort_when_lease_lost(mut self) -> Self {
+        self.limiter.abort_on_lost = true;
+        self
+    }
+
     /// Refusals become `tonic::Status`es: `RESOURCE_EXHAUSTED` when no permit came free,
     /// `UNAVAILABLE` when the backend failed, `INVALID_ARGUMENT` for a bad partition key. The
     /// crate's [`Error`](crate::Error) is the status's

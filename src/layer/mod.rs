@@ -102,6 +102,8 @@ pub(crate) struct Limiter {
     source: Source,
     /// Wait up to the semaphore's acquire timeout (true) or make a single attempt.
     wait: bool,
+    /// Abort the inner call when the permit's lease is lost before the response.
+    abort_on_lost: bool,
 }
 
 #[derive(Clone)]
@@ -117,13 +119,19 @@ impl std::fmt::Debug for Limiter {
             Source::One(sem) => s.field("semaphore", sem),
             Source::Partitioned(p) => s.field("partitions", p),
         };
-        s.field("wait", &self.wait).finish()
+        s.field("wait", &self.wait)
+            .field("abort_on_lost", &self.abort_on_lost)
+            .finish()
     }
 }
 
 impl Limiter {
     fn new(source: Source) -> Self {
-        Limiter { source, wait: true }
+        Limiter {
+            source,
+            wait: true,
+            abort_on_lost: false,
+        }
     }
 
     /// Picks the request's semaphore now and returns the future that takes its permit.

@@ -58,7 +58,7 @@ where
     let request = Request::from_parts(parts, body);
     let fresh = inner.clone();
     let ready = std::mem::replace(inner, fresh);
-    Limited::new(acquire, ready, request)
+    Limited::new(acquire, ready, request, limiter.abort_on_lost)
 }
 
 /// A service whose requests each hold a permit of a distributed semaphore while the inner
