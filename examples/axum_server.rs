@@ -5,6 +5,8 @@
 //! cargo run --example axum_server`), in which case every copy of this program you start shares
 //! the same two slots.
 
+mod support;
+
 use std::time::Duration;
 
 use axum::{Extension, Router, routing::get};
@@ -13,10 +15,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tower::BoxError;
-use tower_distributed_limit::{
-    DistributedConcurrencyLimitLayer, FencingToken, MemoryBackend, RedisBackend, Semaphore,
-    SemaphoreBuilder,
-};
+use tower_distributed_limit::{DistributedConcurrencyLimitLayer, FencingToken, Semaphore};
 
 /// A slow handler: the kind of work (a legacy database, a GPU job) the limit protects. The
 /// fencing token would go along with its writes.
@@ -25,17 +24,10 @@ async fn report(Extension(FencingToken(token)): Extension<FencingToken>) -> Stri
     format!("report written with fencing token {token}")
 }
 
-async fn build(settings: SemaphoreBuilder) -> Result<Semaphore, BoxError> {
-    Ok(match std::env::var("REDIS_URL") {
-        Ok(url) => settings.build(RedisBackend::connect(&url).await?)?,
-        Err(_) => settings.build(MemoryBackend::new())?,
-    })
-}
-
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     // Two at once across every instance; a request waits at most 100 ms for a slot.
-    let sem = build(
+    let sem = support::build(
         Semaphore::builder("example-reports")
             .limit(2)
             .acquire_timeout(Duration::from_millis(100)),

@@ -5,6 +5,8 @@
 //! the limited client and prints the highest concurrency the server saw. Uses an in-process
 //! backend unless `REDIS_URL` is set.
 
+mod support;
+
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,16 +19,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use tower::{BoxError, ServiceBuilder, ServiceExt};
-use tower_distributed_limit::{
-    DistributedConcurrencyLimitLayer, MemoryBackend, RedisBackend, Semaphore, SemaphoreBuilder,
-};
-
-async fn build(settings: SemaphoreBuilder) -> Result<Semaphore, BoxError> {
-    Ok(match std::env::var("REDIS_URL") {
-        Ok(url) => settings.build(RedisBackend::connect(&url).await?)?,
-        Err(_) => settings.build(MemoryBackend::new())?,
-    })
-}
+use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Semaphore};
 
 /// An upstream that takes 100 ms per request and remembers its highest concurrency.
 async fn start_upstream(max_seen: Arc<AtomicUsize>) -> Result<std::net::SocketAddr, BoxError> {
@@ -64,7 +57,7 @@ async fn main() -> Result<(), BoxError> {
     let max_seen = Arc::new(AtomicUsize::new(0));
     let upstream = start_upstream(max_seen.clone()).await?;
 
-    let sem = build(Semaphore::builder("example-upstream").limit(3)).await?;
+    let sem = support::build(Semaphore::builder("example-upstream").limit(3)).await?;
     // Generic flavour: a request that gets no permit in time fails with a BoxError that
     // downcasts to tower_distributed_limit::Error.
     let client = ServiceBuilder::new()

@@ -6,22 +6,15 @@
 //! limited channel and exits. Uses an in-process backend unless `REDIS_URL` is set.
 //! `cargo run --example tonic_client --features tonic`
 
+mod support;
+
 use std::time::Duration;
 
 use tonic::transport::{Endpoint, Server};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
 use tower::{BoxError, ServiceBuilder};
-use tower_distributed_limit::{
-    DistributedConcurrencyLimitLayer, MemoryBackend, RedisBackend, Semaphore, SemaphoreBuilder,
-};
-
-async fn build(settings: SemaphoreBuilder) -> Result<Semaphore, BoxError> {
-    Ok(match std::env::var("REDIS_URL") {
-        Ok(url) => settings.build(RedisBackend::connect(&url).await?)?,
-        Err(_) => settings.build(MemoryBackend::new())?,
-    })
-}
+use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Semaphore};
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
@@ -37,7 +30,7 @@ async fn main() -> Result<(), BoxError> {
     let channel = Endpoint::from_shared(format!("http://{addr}"))?
         .connect()
         .await?;
-    let sem = build(
+    let sem = support::build(
         Semaphore::builder("example-grpc-upstream")
             .limit(1)
             .acquire_timeout(Duration::from_millis(200)),

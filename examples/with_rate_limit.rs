@@ -14,24 +14,16 @@
 //!
 //! Uses an in-process backend unless `REDIS_URL` is set.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
-use tower_distributed_limit::{
-    DistributedConcurrencyLimitLayer, FencingToken, MemoryBackend, RedisBackend, Semaphore,
-    SemaphoreBuilder,
-};
-
-async fn build(settings: SemaphoreBuilder) -> Result<Semaphore, BoxError> {
-    Ok(match std::env::var("REDIS_URL") {
-        Ok(url) => settings.build(RedisBackend::connect(&url).await?)?,
-        Err(_) => settings.build(MemoryBackend::new())?,
-    })
-}
+use tower_distributed_limit::{DistributedConcurrencyLimitLayer, FencingToken, Semaphore};
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let sem = build(Semaphore::builder("example-llm-api").limit(2)).await?;
+    let sem = support::build(Semaphore::builder("example-llm-api").limit(2)).await?;
     let started = Instant::now();
     let upstream = service_fn(move |req: http::Request<String>| async move {
         let token = req.extensions().get::<FencingToken>().map(|t| t.0);
