@@ -1,0 +1,93 @@
+//! What `DistributedConcurrencyLimitLayer` adds to a request: the same `service_fn` served bare,
+//! behind the generic layer and behind its `.http()` flavour, all on `MemoryBackend`. The
+//! difference between `bare` and a layered line is the layer's cost per request (taking and
+//! giving back a permit, the boxed acquire future, the moved inner service).
+//!
+//! Every variant reads the response body to its end, as a server would: the HTTP flavour holds
+//! the permit until then. The limit is 1, so a permit that was not given back stalls the bench
+//! instead of going unnoticed.
+
+use std::convert::Infallible;
+use std::fmt::Debug;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use criterion::{
+    BenchmarkGroup, Criterion, criterion_group, criterion_main, measurement::WallTime,
+};
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, Full};
+use tokio::runtime::Runtime;
+use tower::{Layer, Service, ServiceExt, service_fn};
+use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+
+mod common;
+
+async fn hello(_request: Request<()>) -> Result<Response<Full<Bytes>>, Infallible> {
+    Ok(Response::new(Full::new(Bytes::from_static(b"hello"))))
+}
+
+/// Serves `iters` requests with one service: a manual loop (`iter_custom`) so the service is
+/// cloned once per sample rather than once per request.
+async fn serve<S, B>(mut service: S, iters: u64) -> Duration
+where
+    S: Service<Request<()>, Response = Response<B>>,
+    S::Error: Debug,
+    B: Body,
+    B::Error: Debug,
+{
+    let started = Instant::now();
+    for _ in 0..iters {
+        let response = service
+            .ready()
+            .await
+            .expect("always ready")
+            .call(Request::new(()))
+            .await
+            .expect("the only permit was given back");
+        black_box(response.into_body().collect().await.expect("a full body"));
+    }
+    started.elapsed()
+}
+
+fn bench<S, B>(group: &mut BenchmarkGroup<'_, WallTime>, rt: &Runtime, name: &str, service: S)
+where
+    S: Service<Request<()>, Response = Response<B>> + Clone,
+    S::Error: Debug,
+    B: Body,
+    B::Error: Debug,
+{
+    group.bench_function(name, |b| {
+        b.to_async(rt)
+            .iter_custom(|iters| serve(service.clone(), iters));
+    });
+}
+
+fn layer_overhead(c: &mut Criterion) {
+    let rt = common::runtime();
+    let layer = DistributedConcurrencyLimitLayer::new(
+        Semaphore::builder("bench")
+            .limit(1)
+            .build(MemoryBackend::new())
+            .expect("valid settings"),
+    );
+    let mut group = c.benchmark_group("layer");
+    bench(&mut group, &rt, "bare", service_fn(hello));
+    bench(&mut group, &rt, "generic", layer.layer(service_fn(hello)));
+    bench(
+        &mut group,
+        &rt,
+        "http",
+        layer.http().layer(service_fn(hello)),
+    );
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = common::criterion();
+    targets = layer_overhead
+}
+criterion_main!(benches);
