@@ -101,13 +101,14 @@ async fn wait_for_ping(url: &str) {
     .await;
 }
 
-/// Sends `signal` (e.g. "STOP", "CONT") to process `pid`.
+/// Sends `signal` (e.g. "STOP", "CONT") to process `pid`, with the shell's built-in `kill`
+/// (no package needed).
 pub fn signal(pid: u32, signal: &str) {
-    let status = std::process::Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg(pid.to_string())
+    let status = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("kill -{signal} {pid}"))
         .status()
-        .expect("run kill");
+        .expect("run sh");
     assert!(status.success(), "kill -{signal} {pid} failed");
 }
 
