@@ -343,3 +343,26 @@ async fn waiters_in_one_process_are_served_in_arrival_order() {
     }
     assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
 }
+
+/// API.md promises these bounds; losing one would break users' `tokio::spawn`s and axum.
+#[test]
+fn public_types_are_send_sync_and_cheap_to_share() {
+    fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<Semaphore>();
+    send_sync::<tower_distributed_limit::Permit>();
+    send_sync::<Error>();
+    send_sync::<tower_distributed_limit::RedisBackend>();
+    send_sync::<tower_distributed_limit::MemoryBackend>();
+    fn clone<T: Clone>() {}
+    clone::<Semaphore>();
+    clone::<tower_distributed_limit::RedisBackend>();
+    clone::<tower_distributed_limit::DistributedConcurrencyLimitLayer>();
+    // The acquire future can be spawned.
+    fn send<T: Send>(_: &T) {}
+    let sem = Semaphore::builder("x")
+        .limit(1)
+        .build(tower_distributed_limit::MemoryBackend::new())
+        .unwrap();
+    send(&sem.acquire());
+    send(&sem.try_acquire());
+}
