@@ -45,6 +45,18 @@ pub enum Error {
         waited: Duration,
     },
 
+    /// Too many callers already wait for this semaphore in this process (see
+    /// [`SemaphoreBuilder::max_waiters`](crate::SemaphoreBuilder::max_waiters)); refused at once
+    /// rather than piling up.
+    #[error(
+        "{waiting} callers already wait for this semaphore in this process; shed load, or raise \
+         max_waiters if the backlog is expected"
+    )]
+    TooManyWaiters {
+        /// How many were waiting.
+        waiting: usize,
+    },
+
     /// The permit's lease was lost while the request ran (the backend could not be reached to
     /// renew it, the process was paused past the lease, or the holder was removed), and the
     /// layer was told to abort such requests.

@@ -15,6 +15,7 @@ use crate::waitlist::Event;
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_MAX_WAITERS: usize = 10_000;
 /// The longest lease: leases travel to Redis as 32-bit milliseconds (about 49 days).
 const MAX_LEASE: Duration = Duration::from_millis(u32::MAX as u64);
 
@@ -57,6 +58,7 @@ pub(crate) struct Inner {
     limit: u32,
     lease: Duration,
     acquire_timeout: Duration,
+    max_waiters: usize,
     pub(crate) handle: Arc<dyn Handle>,
     pub(crate) keeper: Arc<Keeper>,
     outage: OutagePolicy,
@@ -97,6 +99,7 @@ pub struct SemaphoreBuilder {
     limit: Option<u32>,
     lease: Duration,
     acquire_timeout: Duration,
+    max_waiters: usize,
     outage: OutagePolicy,
 }
 
@@ -121,6 +124,14 @@ impl SemaphoreBuilder {
         self
     }
 
+    /// How many callers of this process may wait for a permit at once (default 10 000); one
+    /// more gets [`Error::TooManyWaiters`] at once, so a stalled backend or a burst cannot pile
+    /// up tasks without bound.
+    pub fn max_waiters(mut self, max: usize) -> Self {
+        self.max_waiters = max;
+        self
+    }
+
     /// What to do when the backend cannot be reached: refuse (the default), let requests
     /// through, or limit in this process alone. See [`OutagePolicy`].
     pub fn on_outage(mut self, policy: OutagePolicy) -> Self {
@@ -131,7 +142,8 @@ impl SemaphoreBuilder {
     /// Checks the settings and opens the semaphore on `backend`.
     ///
     /// Fails with [`Error::Config`] for an empty name, a missing or zero limit, a lease under
-    /// 1 ms or over 49 days, a zero acquire timeout, or a local outage limit of 0.
+    /// 1 ms or over 49 days, a zero acquire timeout or `max_waiters`, or a local outage limit
+    /// of 0.
     pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
         if self.name.is_empty() {
             return Err(Error::config(
@@ -157,6 +169,12 @@ impl SemaphoreBuilder {
             return Err(Error::config(format!(
                 "semaphore {:?}: lease {:?} is outside 1 ms ..= 49 days",
                 self.name, self.lease
+            )));
+        }
+        if self.max_waiters == 0 {
+            return Err(Error::config(format!(
+                "semaphore {:?}: max_waiters is 0, which refuses every acquire; use at least 1",
+                self.name
             )));
         }
         if self.acquire_timeout.is_zero() {
@@ -193,6 +211,7 @@ impl Semaphore {
             limit: None,
             lease: DEFAULT_LEASE,
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+            max_waiters: DEFAULT_MAX_WAITERS,
             outage: OutagePolicy::FailClosed,
         }
     }
@@ -212,6 +231,7 @@ impl Semaphore {
                 limit,
                 lease: settings.lease,
                 acquire_timeout: settings.acquire_timeout,
+                max_waiters: settings.max_waiters,
                 keeper: Keeper::new(handle.clone(), settings.lease),
                 handle,
                 outage: settings.outage,
@@ -362,8 +382,18 @@ impl Semaphore {
             waited: started.elapsed(),
         };
         let handle = &self.inner.handle;
-        let pending = Pending::new(handle, weight, self.inner.lease);
-        let ticket = handle.waitlist().register(pending.member.text.clone());
+        let mut pending = Pending::new(handle, weight, self.inner.lease);
+        let registered = handle
+            .waitlist()
+            .register(pending.member.text.clone(), self.inner.max_waiters);
+        let ticket = match registered {
+            Ok(ticket) => ticket,
+            Err(waiting) => {
+                // Nothing was sent: nothing to take back.
+                pending.armed = false;
+                return Err(Error::TooManyWaiters { waiting });
+            }
+        };
         let mut first = true;
         loop {
             let sent = Instant::now();

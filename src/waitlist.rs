@@ -184,20 +184,30 @@ impl Waitlist {
     }
 
     /// Registers `member` before its first attempt, so a grant announced right after the
-    /// attempt queued it cannot arrive before anyone listens.
-    pub(crate) fn register(self: &Arc<Self>, member: Arc<str>) -> Ticket {
+    /// attempt queued it cannot arrive before anyone listens. Refused (with the number waiting)
+    /// when `max` callers are already registered.
+    pub(crate) fn register(
+        self: &Arc<Self>,
+        member: Arc<str>,
+        max: usize,
+    ) -> Result<Ticket, usize> {
         let signal = Arc::new(Notify::new());
-        self.state().entries.push_back(Entry {
+        let mut state = self.state();
+        if state.entries.len() >= max {
+            return Err(state.entries.len());
+        }
+        state.entries.push_back(Entry {
             member: member.clone(),
             queued: false,
             event: None,
             signal: signal.clone(),
         });
-        Ticket {
+        drop(state);
+        Ok(Ticket {
             list: self.clone(),
             member,
             signal,
-        }
+        })
     }
 
     /// The backend admitted `member` (ignored unless it waits here).

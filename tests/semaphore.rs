@@ -37,7 +37,35 @@ on_both_backends!(
     fencing_tokens_strictly_increase,
     waiters_are_woken_by_a_release,
     a_renewed_lease_keeps_its_slot,
+    waiters_beyond_the_cap_are_refused_at_once,
 );
+
+async fn waiters_beyond_the_cap_are_refused_at_once(backend: impl Backend + Clone) {
+    let sem = Semaphore::builder("test")
+        .limit(1)
+        .max_waiters(2)
+        .acquire_timeout(Duration::from_secs(20))
+        .build(backend)
+        .unwrap();
+    let mut held = sem.acquire().await.unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..2 {
+        let sem = sem.clone();
+        waiters.push(started(async move { sem.acquire().await.map(|p| p.fencing_token()) }).await);
+    }
+    // A third caller would wait beyond the cap: refused at once, not after the 20 s timeout.
+    let third = tokio::time::timeout(Duration::from_secs(1), sem.acquire())
+        .await
+        .expect("refused at once");
+    assert!(
+        matches!(third, Err(Error::TooManyWaiters { waiting: 2 })),
+        "{third:?}"
+    );
+    held.release().await.unwrap();
+    for waiter in waiters {
+        assert!(waiter.await.unwrap().unwrap() > held.fencing_token());
+    }
+}
 
 fn sem(backend: impl Backend, limit: u32) -> Semaphore {
     Semaphore::builder("test")
@@ -90,6 +118,10 @@ async fn config_errors(backend: impl Backend + Clone) {
             .acquire_timeout(Duration::ZERO)
             .build(b()),
         "acquire_timeout",
+    );
+    assert_config(
+        Semaphore::builder("x").limit(1).max_waiters(0).build(b()),
+        "max_waiters",
     );
 
     // Bad weights are refused at once, even while the semaphore is full and acquire would wait.
@@ -218,6 +250,22 @@ async fn cancelled_acquires_leak_nothing(backend: impl Backend + Clone) {
         sem.try_acquire_many(3).await.unwrap().is_some()
     })
     .await;
+}
+
+/// Polls `future` once (an acquire registers as a waiter on its first poll), then runs it on
+/// its own task.
+async fn started<F>(future: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let mut future = Box::pin(future);
+    tokio::select! {
+        biased;
+        _ = &mut future => panic!("expected the acquire to wait"),
+        _ = std::future::ready(()) => {}
+    }
+    tokio::spawn(future)
 }
 
 /// Acquires `n` permits one after another.
