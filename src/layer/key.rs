@@ -9,7 +9,7 @@ use http::HeaderName;
 use http::request::Parts;
 
 use super::Refusal;
-use crate::{Backend, Error, Semaphore, SemaphoreBuilder};
+use crate::{Backend, Error, OutagePolicy, Semaphore, SemaphoreBuilder};
 
 const DEFAULT_CAPACITY: usize = 10_000;
 const DEFAULT_MAX_KEY_LEN: usize = 256;
@@ -74,6 +74,8 @@ struct Inner {
     limit: Box<LimitFn>,
     lease: Option<Duration>,
     acquire_timeout: Option<Duration>,
+    max_waiters: Option<usize>,
+    outage: OutagePolicy,
     build: Box<BuildFn>,
     max_key_len: usize,
     without_key: WithoutKey,
@@ -100,6 +102,8 @@ pub struct PartitionsBuilder {
     limit: Option<Box<LimitFn>>,
     lease: Option<Duration>,
     acquire_timeout: Option<Duration>,
+    max_waiters: Option<usize>,
+    outage: OutagePolicy,
     capacity: usize,
     max_key_len: usize,
     without_key: WithoutKey,
@@ -162,6 +166,18 @@ impl PartitionsBuilder {
         self
     }
 
+    /// Each key's [`SemaphoreBuilder::max_waiters`].
+    pub fn max_waiters(mut self, max: usize) -> Self {
+        self.max_waiters = Some(max);
+        self
+    }
+
+    /// Each key's [`SemaphoreBuilder::on_outage`]: what to do when the backend is down.
+    pub fn on_outage(mut self, policy: OutagePolicy) -> Self {
+        self.outage = policy;
+        self
+    }
+
     /// How many keys' semaphores this process keeps (default 10 000, at least 1).
     pub fn capacity(mut self, capacity: usize) -> Self {
         self.capacity = capacity;
@@ -210,6 +226,8 @@ impl PartitionsBuilder {
                 limit,
                 lease: self.lease,
                 acquire_timeout: self.acquire_timeout,
+                max_waiters: self.max_waiters,
+                outage: self.outage,
                 build,
                 max_key_len: self.max_key_len,
                 without_key: self.without_key,
@@ -231,6 +249,8 @@ impl Partitions {
             limit: None,
             lease: None,
             acquire_timeout: None,
+            max_waiters: None,
+            outage: OutagePolicy::FailClosed,
             capacity: DEFAULT_CAPACITY,
             max_key_len: DEFAULT_MAX_KEY_LEN,
             without_key: WithoutKey::Reject,
@@ -274,7 +294,12 @@ impl Partitions {
     }
 
     fn settings(&self, name: String, limit: u32) -> SemaphoreBuilder {
-        let mut builder = Semaphore::builder(name).limit(limit);
+        let mut builder = Semaphore::builder(name)
+            .limit(limit)
+            .on_outage(self.inner.outage);
+        if let Some(max) = self.inner.max_waiters {
+            builder = builder.max_waiters(max);
+        }
         if let Some(lease) = self.inner.lease {
             builder = builder.lease(lease);
         }
