@@ -8,10 +8,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::backend::Handle;
+use crate::backend::{BATCH, Handle};
 
-/// Renewals are sent in batches of at most this many members.
-const BATCH: usize = 1000;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::backend::{Attempt, Backend, Handle, KEEPALIVE, Member};
+use crate::backend::{Attempt, BATCH, Backend, Handle, KEEPALIVE, Member};
 use crate::keeper::{Keeper, Lease};
 use crate::outage::OutagePolicy;
 use crate::permit::Permit;
@@ -437,10 +437,13 @@ impl Semaphore {
                     Event::Touch => {
                         let list = handle.waitlist();
                         let members = list.queued_members();
-                        let touch = tokio::time::timeout_at(deadline, handle.touch(&members));
-                        let (statuses, retry_in) = touch.await.map_err(|_| timeout())??;
-                        list.apply(&members, &statuses);
-                        refresh = retry_in;
+                        // Batches keep each script call short, however long the line.
+                        for batch in members.chunks(BATCH) {
+                            let touch = tokio::time::timeout_at(deadline, handle.touch(batch));
+                            let (statuses, retry_in) = touch.await.map_err(|_| timeout())??;
+                            list.apply(batch, &statuses);
+                            refresh = retry_in;
+                        }
                     }
                 }
             }

@@ -103,6 +103,9 @@ pub enum Status {
     Unknown,
 }
 
+/// The most members one call renews or refreshes, so a long list never blocks Redis for long.
+pub const BATCH: usize = 1000;
+
 /// How long a queued waiter stays in line without showing it still waits. A process's oldest
 /// waiter refreshes all of them every [`KEEPALIVE`]; a crashed process's waiters drop out of
 /// the line after this long.
