@@ -10,7 +10,6 @@ use tokio::time::Instant;
 
 use crate::backend::{BATCH, Handle};
 
-
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()

@@ -67,7 +67,7 @@ mod permit;
 mod semaphore;
 mod waitlist;
 
-pub use backend::{Backend, MemoryBackend, RedisBackend};
+pub use backend::{Backend, MemoryBackend, RedisBackend, RedisBackendBuilder};
 pub use error::{BackendError, Error};
 pub use layer::{
     DistributedConcurrencyLimitLayer, FencingToken, HttpConcurrencyLimitLayer, Partitions,

@@ -181,14 +181,37 @@ async fn a_paused_redis_gives_bounded_errors_and_recovery_after_sigcont() {
         .build(backend)
         .unwrap();
     sem.acquire().await.unwrap().release().await.unwrap();
+    // A backend with a tighter, configured bound on every call.
+    let quick = RedisBackend::builder(redis.url.as_str())
+        .call_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let quick = semaphore("frozen").build(quick).unwrap();
+    quick
+        .try_acquire()
+        .await
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
 
     signal(redis.pid(), "STOP");
+    let started = Instant::now();
+    let bounded = quick.try_acquire().await;
+    let quick_took = started.elapsed();
     let started = Instant::now();
     let one_shot = sem.try_acquire().await;
     let waited = started.elapsed();
     let waiting = sem.acquire().await;
     let total = started.elapsed();
     signal(redis.pid(), "CONT");
+    assert!(matches!(bounded, Err(Error::Backend(_))), "{bounded:?}");
+    assert!(
+        quick_took < Duration::from_millis(800),
+        "the 200 ms bound took {quick_took:?}"
+    );
     assert!(matches!(one_shot, Err(Error::Backend(_))), "{one_shot:?}");
     assert!(matches!(waiting, Err(Error::Backend(_))), "{waiting:?}");
     // Bounded by the 1 s call timeout and the 1.5 s acquire timeout (with retries' slack).

@@ -251,6 +251,13 @@ async fn unreachable_redis_and_bad_urls_are_clear_errors() {
         RedisBackend::connect("not a url").await,
         Err(Error::Config(_))
     ));
+    assert!(matches!(
+        RedisBackend::builder("redis://127.0.0.1:1")
+            .call_timeout(Duration::ZERO)
+            .connect()
+            .await,
+        Err(Error::Config(_))
+    ));
     // A port nobody listens on: a stopped test server.
     let mut redis = Redis::start().await;
     let url = redis.url.clone();

@@ -13,7 +13,7 @@ mod memory;
 mod redis;
 
 pub use self::memory::MemoryBackend;
-pub use self::redis::RedisBackend;
+pub use self::redis::{RedisBackend, RedisBackendBuilder};
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

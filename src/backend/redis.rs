@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{
-    Client, ProtocolVersion, PushInfo, PushKind, RedisError, Script, ScriptInvocation, Value,
+    Client, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError,
+    Script, ScriptInvocation, Value,
 };
 use tokio::sync::mpsc;
 
@@ -30,9 +31,10 @@ const LINGER: Duration = Duration::from_secs(2);
 /// counting round trips.
 const CALLS: &str = "tower_distributed_limit::redis";
 
-/// Bounds on every Redis call: a hung or vanished server answers with an error, not a hang.
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
-const CONNECTION_TIMEOUT: Duration = Duration::from_secs(1);
+/// Default bounds on every Redis call: a hung or vanished server answers with an error, not a
+/// hang.
+const CALL_TIMEOUT: Duration = Duration::from_secs(1);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Semaphores stored in Redis, shared by every process that uses the same server and prefix.
 ///
@@ -73,23 +75,102 @@ struct Shared {
 
 impl RedisBackend {
     /// Connects to the Redis server at `url` (`redis://host:port/db`, `rediss://` for TLS when
-    /// redis-rs is built with a TLS feature).
+    /// redis-rs is built with a TLS feature), with the default settings of
+    /// [`RedisBackend::builder`].
     ///
     /// Fails with [`Error::Config`] for a malformed URL and [`Error::Backend`] when the server
     /// cannot be reached now; once connected, the connection is re-established by itself.
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let client = Client::open(url).map_err(|e| {
-            Error::config(format!(
-                "{url:?} is not a Redis URL ({e}); expected e.g. redis://127.0.0.1:6379"
-            ))
-        })?;
-        Self::from_client(client).await
+        Self::builder(url).connect().await
     }
 
     /// Connects with a client you configured yourself (credentials, TLS, database). The
-    /// connection always speaks RESP3, which carries the release notifications.
+    /// connection always speaks RESP3, which carries the grant announcements.
     pub async fn from_client(client: Client) -> Result<Self, Error> {
-        let info = client.get_connection_info().clone();
+        Self::builder(client.get_connection_info().clone())
+            .connect()
+            .await
+    }
+
+    /// Settings for a connection to the server at `info`: a URL, or a redis-rs
+    /// `ConnectionInfo` carrying credentials, TLS or a database.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_distributed_limit::RedisBackend;
+    ///
+    /// # async fn run() -> Result<(), tower_distributed_limit::Error> {
+    /// let redis = RedisBackend::builder("redis://10.0.0.5:6379")
+    ///     .call_timeout(Duration::from_millis(250))   // no Redis call waits longer
+    ///     .connect_timeout(Duration::from_millis(500))
+    ///     .key_prefix("billing:")
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = redis; Ok(()) }
+    /// ```
+    pub fn builder(info: impl IntoConnectionInfo) -> RedisBackendBuilder {
+        RedisBackendBuilder {
+            info: info.into_connection_info().map_err(|e| {
+                Error::config(format!(
+                    "not a Redis URL ({e}); expected e.g. redis://127.0.0.1:6379"
+                ))
+            }),
+            call_timeout: CALL_TIMEOUT,
+            connect_timeout: CONNECT_TIMEOUT,
+            prefix: "dlimit:".into(),
+        }
+    }
+
+    /// Puts every key and channel of this backend's semaphores under `prefix` (default
+    /// `"dlimit:"`), to keep apart applications that share a Redis.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into().into();
+        self
+    }
+}
+
+/// Connection settings for a [`RedisBackend`]; made by [`RedisBackend::builder`].
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct RedisBackendBuilder {
+    info: Result<ConnectionInfo, Error>,
+    call_timeout: Duration,
+    connect_timeout: Duration,
+    prefix: String,
+}
+
+impl RedisBackendBuilder {
+    /// The longest any one Redis call may take before it fails with [`Error::Backend`]
+    /// (default 1 s): a hung or paused server costs a request at most this (a call whose
+    /// connection dropped is sent once more).
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// The longest one connection attempt may take (default 1 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// See [`RedisBackend::key_prefix`].
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Connects. Fails with [`Error::Config`] for a malformed URL or a zero timeout, and with
+    /// [`Error::Backend`] when the server cannot be reached now.
+    pub async fn connect(self) -> Result<RedisBackend, Error> {
+        let info = self.info?;
+        if self.call_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(Error::config(
+                "Redis call and connect timeouts must be more than zero",
+            ));
+        }
         let settings = info
             .redis_settings()
             .clone()
@@ -106,8 +187,8 @@ impl RedisBackend {
                 Ok::<(), std::convert::Infallible>(())
             })
             .set_automatic_resubscription()
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_connection_timeout(Some(CONNECTION_TIMEOUT))
+            .set_response_timeout(Some(self.call_timeout))
+            .set_connection_timeout(Some(self.connect_timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
         let conn = ConnectionManager::new_with_config(client, config)
@@ -116,15 +197,8 @@ impl RedisBackend {
         tokio::spawn(subscriber(conn.clone(), requests));
         Ok(RedisBackend {
             shared: Arc::new(Shared { conn, hub }),
-            prefix: "dlimit:".into(),
+            prefix: self.prefix.into(),
         })
-    }
-
-    /// Puts every key and channel of this backend's semaphores under `prefix` (default
-    /// `"dlimit:"`), to keep apart applications that share a Redis.
-    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into().into();
-        self
     }
 }
 
