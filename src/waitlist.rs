@@ -8,7 +8,7 @@
 //! lost. A backend that announces over a subscription (Redis pub/sub) is asked to subscribe
 //! while the list has queued waiters, and to stop once it has been idle a while.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -66,7 +66,9 @@ impl Hub {
             key: key.clone(),
             subscribe: self.subscribe.clone(),
             state: Mutex::new(State {
-                entries: VecDeque::new(),
+                entries: BTreeMap::new(),
+                by_member: HashMap::new(),
+                next: 0,
                 subscription: if self.subscribe.is_some() {
                     Subscription::Off
                 } else {
@@ -113,8 +115,11 @@ pub struct Waitlist {
 }
 
 struct State {
-    /// In registration order; only `queued` entries wait in the backend's line.
-    entries: VecDeque<Entry>,
+    /// By registration order; only `queued` entries wait in the backend's line.
+    entries: BTreeMap<u64, Entry>,
+    /// Where each member sits in `entries`: a grant finds its waiter without a scan.
+    by_member: HashMap<Arc<str>, u64>,
+    next: u64,
     subscription: Subscription,
     /// The oldest queued waiter should refresh the line at once (announcements may be lost).
     touch_now: bool,
@@ -144,31 +149,33 @@ pub(crate) enum Event {
 }
 
 impl State {
-    fn position(&self, member: &str) -> Option<usize> {
-        self.entries
-            .iter()
-            .position(|entry| &*entry.member == member)
+    fn entry(&mut self, member: &str) -> Option<&mut Entry> {
+        let seq = self.by_member.get(member)?;
+        self.entries.get_mut(seq)
     }
 
-    /// The oldest queued waiter keeps the timer and refreshes the line.
-    fn duty(&self) -> Option<usize> {
-        self.entries.iter().position(|entry| entry.queued)
+    /// The oldest queued waiter keeps the timer and refreshes the line. Entries ahead of it
+    /// are only those whose first call is still in flight, so this stops early.
+    fn duty(&self) -> Option<u64> {
+        self.entries
+            .iter()
+            .find(|(_, entry)| entry.queued)
+            .map(|(seq, _)| *seq)
     }
 
     fn notify_duty(&self) {
-        if let Some(index) = self.duty() {
-            self.entries[index].signal.notify_one();
+        if let Some(entry) = self.duty().and_then(|seq| self.entries.get(&seq)) {
+            entry.signal.notify_one();
         }
     }
 
     /// Gives `member` an event unless it already has a grant waiting.
     fn tell(&mut self, member: &str, event: Event) {
-        if let Some(index) = self.position(member) {
-            let entry = &mut self.entries[index];
-            if !matches!(entry.event, Some(Event::Granted { .. })) {
-                entry.event = Some(event);
-                entry.signal.notify_one();
-            }
+        if let Some(entry) = self.entry(member)
+            && !matches!(entry.event, Some(Event::Granted { .. }))
+        {
+            entry.event = Some(event);
+            entry.signal.notify_one();
         }
     }
 }
@@ -196,15 +203,22 @@ impl Waitlist {
         if state.entries.len() >= max {
             return Err(state.entries.len());
         }
-        state.entries.push_back(Entry {
-            member: member.clone(),
-            queued: false,
-            event: None,
-            signal: signal.clone(),
-        });
+        let seq = state.next;
+        state.next += 1;
+        state.by_member.insert(member.clone(), seq);
+        state.entries.insert(
+            seq,
+            Entry {
+                member: member.clone(),
+                queued: false,
+                event: None,
+                signal: signal.clone(),
+            },
+        );
         drop(state);
         Ok(Ticket {
             list: self.clone(),
+            seq,
             member,
             signal,
         })
@@ -251,7 +265,7 @@ impl Waitlist {
     pub(crate) fn queued_members(&self) -> Vec<Arc<str>> {
         self.state()
             .entries
-            .iter()
+            .values()
             .filter(|entry| entry.queued)
             .map(|entry| entry.member.clone())
             .collect()
@@ -289,6 +303,7 @@ impl Waitlist {
 /// the backend).
 pub(crate) struct Ticket {
     list: Arc<Waitlist>,
+    seq: u64,
     member: Arc<str>,
     signal: Arc<Notify>,
 }
@@ -297,8 +312,8 @@ impl Ticket {
     /// The attempt queued this waiter in the backend: listen for its grant.
     pub(crate) fn queued(&self) {
         let mut state = self.list.state();
-        if let Some(index) = state.position(&self.member) {
-            state.entries[index].queued = true;
+        if let Some(entry) = state.entries.get_mut(&self.seq) {
+            entry.queued = true;
         }
         self.list.request_subscription(&mut state);
     }
@@ -310,14 +325,14 @@ impl Ticket {
         loop {
             let duty = {
                 let mut state = self.list.state();
-                let Some(index) = state.position(&self.member) else {
+                let Some(entry) = state.entries.get_mut(&self.seq) else {
                     // Not registered cannot happen while the ticket lives; asking again is safe.
                     return Event::Retry;
                 };
-                if let Some(event) = state.entries[index].event.take() {
+                if let Some(event) = entry.event.take() {
                     return event;
                 }
-                let duty = state.duty() == Some(index);
+                let duty = state.duty() == Some(self.seq);
                 if duty && state.touch_now {
                     state.touch_now = false;
                     return Event::Touch;
@@ -339,12 +354,12 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut state = self.list.state();
-        let was_duty = state.duty();
-        let Some(index) = state.position(&self.member) else {
+        let was_duty = state.duty() == Some(self.seq);
+        if state.entries.remove(&self.seq).is_none() {
             return;
-        };
-        state.entries.remove(index);
-        if was_duty == Some(index) {
+        }
+        state.by_member.remove(&self.member);
+        if was_duty {
             // The next oldest waiter takes over the timer.
             state.notify_duty();
         }
