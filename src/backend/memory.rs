@@ -1,7 +1,7 @@
 //! Permits in this process only, with the same semantics as Redis: leases, weights, fencing
 //! tokens, and one first-come-first-served line.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -68,7 +68,10 @@ struct State {
 struct Permits {
     holders: HashMap<Arc<str>, (Instant, u32)>,
     used: u32,
-    queue: VecDeque<Member>,
+    /// The line, by arrival; `queued` finds a member in it without a scan.
+    queue: BTreeMap<u64, Member>,
+    queued: HashMap<Arc<str>, u64>,
+    arrivals: u64,
 }
 
 /// A grant made while the lock was held, announced once it is released.
@@ -94,13 +97,12 @@ impl Permits {
             live
         });
         self.used -= freed;
-        while let Some(head) = self.queue.front() {
-            if u64::from(self.used) + u64::from(head.weight) > u64::from(limit) {
+        while let Some(head) = self.queue.first_entry() {
+            if u64::from(self.used) + u64::from(head.get().weight) > u64::from(limit) {
                 break;
             }
-            let Some(member) = self.queue.pop_front() else {
-                break;
-            };
+            let member = head.remove();
+            self.queued.remove(&member.text);
             let token = self.hold(&member, now, fence);
             grants.push((member.text, token, member.lease));
         }
@@ -122,7 +124,7 @@ impl Permits {
                 lease: deadline.saturating_duration_since(now),
             };
         }
-        if self.queue.iter().any(|waiter| &*waiter.text == member) {
+        if self.queued.contains_key(member) {
             return Status::Queued;
         }
         Status::Unknown
@@ -207,12 +209,11 @@ impl Handle for MemorySemaphore {
             if !queue {
                 return Attempt::Full;
             }
-            if !permits
-                .queue
-                .iter()
-                .any(|waiter| waiter.text == member.text)
-            {
-                permits.queue.push_back(member.clone());
+            if !permits.queued.contains_key(&member.text) {
+                let arrival = permits.arrivals;
+                permits.arrivals += 1;
+                permits.queued.insert(member.text.clone(), arrival);
+                permits.queue.insert(arrival, member.clone());
             }
             Attempt::Queued {
                 retry_in: permits.retry_in(now, member.lease),
@@ -230,8 +231,8 @@ impl Handle for MemorySemaphore {
         self.with(|permits, _, _| {
             if let Some((_, weight)) = permits.holders.remove(&member.text) {
                 permits.used -= weight;
-            } else {
-                permits.queue.retain(|waiter| waiter.text != member.text);
+            } else if let Some(arrival) = permits.queued.remove(&member.text) {
+                permits.queue.remove(&arrival);
             }
         });
     }
