@@ -7,6 +7,7 @@
 //! subscribed to a channel only while someone waits on it. Releases of dropped permits ride
 //! along with the semaphore's next call.
 
+use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::Duration;
 
@@ -235,7 +236,7 @@ async fn subscriber(
     mut conn: ConnectionManager,
     mut requests: mpsc::UnboundedReceiver<Arc<Waitlist>>,
 ) {
-    let mut subscribed: Vec<(String, Weak<Waitlist>)> = Vec::new();
+    let mut subscribed: HashMap<String, Weak<Waitlist>> = HashMap::new();
     let mut sweep = tokio::time::interval(LINGER);
     loop {
         tokio::select! {
@@ -243,16 +244,18 @@ async fn subscriber(
                 let Some(list) = request else { return };
                 tracing::trace!(target: CALLS, op = "subscribe", "pub/sub call");
                 let result = conn.subscribe(list.key()).await;
-                if let Err(e) = &result {
-                    tracing::warn!(channel = list.key(), error = %e, "cannot subscribe to release notifications; waiters fall back to timers");
-                } else if !subscribed.iter().any(|(channel, _)| channel == list.key()) {
-                    subscribed.push((list.key().to_owned(), Arc::downgrade(&list)));
+                match &result {
+                    Err(e) => tracing::warn!(channel = list.key(), error = %e,
+                        "cannot subscribe to grant announcements; waiters rely on their refresh every second"),
+                    Ok(()) => {
+                        subscribed.insert(list.key().to_owned(), Arc::downgrade(&list));
+                    }
                 }
                 list.subscribed(result.is_ok());
             }
             _ = sweep.tick() => {
                 let mut idle = Vec::new();
-                subscribed.retain(|(channel, list)| {
+                subscribed.retain(|channel, list| {
                     let keep = list.upgrade().is_some_and(|list| !list.release_subscription(LINGER));
                     if !keep {
                         idle.push(channel.clone());
