@@ -40,7 +40,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Semaphores stored in Redis, shared by every process that uses the same server and prefix.
 ///
 /// Cheap to clone: clones share one multiplexed, auto-reconnecting connection (redis-rs
-/// `ConnectionManager`, RESP3), which also carries the release notifications waiters sleep on.
+/// `ConnectionManager`, RESP3), which also carries the grant announcements waiters sleep on.
 ///
 /// # Example
 ///
