@@ -1,20 +1,24 @@
-//! Lease renewal: every live permit of a semaphore in this process is renewed by one call per
-//! interval (a third of the lease), and a permit the backend no longer knows is marked lost.
+//! Lease renewal: every live permit of a semaphore in this process is renewed by one batched
+//! call once the most urgent of them has used a third of its term, and a permit the backend no
+//! longer knows is marked lost.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use crate::backend::{BATCH, Handle};
+use crate::sync::lock;
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+/// The shortest pause before a failed renewal is tried again; it doubles up to a third of the
+/// lease.
+const RETRY: Duration = Duration::from_millis(50);
+
+/// How long past its planned wake-up a renewal task may go unseen before it is presumed stuck
+/// (its runtime stopped being driven, or the process was frozen) and a new one is started.
+const STALLED: Duration = Duration::from_secs(5);
 
 /// What a permit knows of its lease, shared with the keeper that renews it.
 pub(crate) struct Lease {
@@ -23,18 +27,23 @@ pub(crate) struct Lease {
 }
 
 struct LeaseState {
-    /// When the lease ends by this process's clock, counted from before the call that granted
-    /// or renewed it, so never later than the backend's own deadline.
+    /// When the lease ends by this process's clock, derived from the backend's clock so it is
+    /// never later than the backend's own deadline.
     deadline: Instant,
+    /// How long the lease ran when it was last granted or renewed: it is renewed once a third
+    /// of that has passed.
+    term: Duration,
     /// The backend no longer holds this permit (expired, or removed behind our back).
     gone: bool,
 }
 
 impl Lease {
+    /// A lease that ends at `deadline` (already lost if that has passed).
     pub(crate) fn new(deadline: Instant) -> Arc<Self> {
         Arc::new(Lease {
             state: Mutex::new(LeaseState {
                 deadline,
+                term: deadline.saturating_duration_since(Instant::now()),
                 gone: false,
             }),
             changed: Notify::new(),
@@ -48,6 +57,16 @@ impl Lease {
     pub(crate) fn is_lost(&self) -> bool {
         let state = lock(&self.state);
         state.gone || Instant::now() >= state.deadline
+    }
+
+    /// When this lease should be renewed, unless it is lost.
+    fn due(&self) -> Option<Instant> {
+        let state = lock(&self.state);
+        if state.gone || Instant::now() >= state.deadline {
+            return None;
+        }
+        let early = state.term.mul_f64(2.0 / 3.0);
+        Some(state.deadline.checked_sub(early).unwrap_or(state.deadline))
     }
 
     /// Resolves once the lease is lost: the backend dropped it, or its deadline passed without
@@ -80,9 +99,11 @@ impl Lease {
     /// renewal does not undo (a holder told it lost its slot stays told).
     fn renewed(&self, deadline: Instant) -> bool {
         let mut state = lock(&self.state);
-        let live = !state.gone && Instant::now() < state.deadline;
-        if live {
-            state.deadline = state.deadline.max(deadline);
+        let now = Instant::now();
+        let live = !state.gone && now < state.deadline;
+        if live && deadline > state.deadline {
+            state.deadline = deadline;
+            state.term = deadline - now;
         }
         drop(state);
         self.changed.notify_waiters();
@@ -95,78 +116,125 @@ impl Lease {
     }
 }
 
-/// Renews the live permits of one semaphore. Its task runs only while there are permits.
+/// Renews the live permits of one semaphore. Its task runs only while there are permits, holds
+/// the keeper only weakly, and is started again on whatever runtime is current if the last one
+/// went away.
 pub(crate) struct Keeper {
     handle: Arc<dyn Handle>,
-    interval: Duration,
+    lease: Duration,
     leases: Mutex<Leases>,
+    /// Wakes the task: a more urgent lease arrived, or the last one left.
+    wake: Arc<Notify>,
 }
 
 #[derive(Default)]
 struct Leases {
     live: HashMap<Arc<str>, Weak<Lease>>,
-    running: bool,
+    /// The running task's number, if one runs.
+    task: Option<u64>,
+    tasks: u64,
+    /// When the running task plans to wake next.
+    wakes_at: Option<Instant>,
 }
 
 impl Keeper {
     pub(crate) fn new(handle: Arc<dyn Handle>, lease: Duration) -> Arc<Self> {
         Arc::new(Keeper {
             handle,
-            interval: lease / 3,
+            lease,
             leases: Mutex::default(),
+            wake: Arc::new(Notify::new()),
         })
     }
 
     /// Starts renewing `member`'s lease.
     pub(crate) fn keep(self: &Arc<Self>, member: Arc<str>, lease: &Arc<Lease>) {
+        let due = lease.due();
         let mut leases = lock(&self.leases);
         leases.live.insert(member, Arc::downgrade(lease));
-        if leases.running {
+        if let (Some(_), Some(wakes_at)) = (leases.task, leases.wakes_at)
+            && Instant::now() < wakes_at + STALLED
+        {
+            if due.is_some_and(|due| due < wakes_at) {
+                self.wake.notify_one();
+            }
             return;
         }
-        // Permits are made inside the runtime; outside one there is nothing to run on, and
-        // the lease simply runs out.
+        // Permits are made inside a runtime; outside one there is nothing to run on, and the
+        // lease simply runs out.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            leases.running = true;
-            runtime.spawn(self.clone().run());
+            leases.tasks += 1;
+            let id = leases.tasks;
+            leases.task = Some(id);
+            leases.wakes_at = Some(Instant::now());
+            let running = Running {
+                keeper: Arc::downgrade(self),
+                id,
+            };
+            runtime.spawn(running.run(self.wake.clone(), self.handle.reconnects()));
         }
     }
 
     /// Stops renewing `member` (released, or lost).
     pub(crate) fn forget(&self, member: &str) {
-        lock(&self.leases).live.remove(member);
-    }
-
-    async fn run(self: Arc<Self>) {
-        loop {
-            tokio::time::sleep(self.interval).await;
-            let batch: Vec<(Arc<str>, Arc<Lease>)> = {
-                let mut leases = lock(&self.leases);
-                leases.live.retain(|_, lease| lease.strong_count() > 0);
-                if leases.live.is_empty() {
-                    leases.running = false;
-                    return;
-                }
-                leases
-                    .live
-                    .iter()
-                    .filter_map(|(member, lease)| Some((member.clone(), lease.upgrade()?)))
-                    .collect()
-            };
-            for chunk in batch.chunks(BATCH) {
-                self.renew(chunk).await;
-            }
+        let mut leases = lock(&self.leases);
+        leases.live.remove(member);
+        if leases.live.is_empty() {
+            // The task ends now rather than at its next renewal.
+            self.wake.notify_one();
         }
     }
 
-    async fn renew(&self, chunk: &[(Arc<str>, Arc<Lease>)]) {
+    /// When task `id` should renew next, or `None` when it should end: nothing left to renew,
+    /// or another task took over.
+    fn next_due(&self, id: u64) -> Option<Instant> {
+        let mut leases = lock(&self.leases);
+        if leases.task != Some(id) {
+            return None;
+        }
+        let mut next: Option<Instant> = None;
+        leases.live.retain(|_, lease| {
+            let due = lease.upgrade().and_then(|lease| lease.due());
+            if let Some(due) = due {
+                next = Some(next.map_or(due, |next| next.min(due)));
+            }
+            due.is_some()
+        });
+        if next.is_none() {
+            leases.task = None;
+        }
+        next
+    }
+
+    fn planned(&self, id: u64, at: Instant) {
+        let mut leases = lock(&self.leases);
+        if leases.task == Some(id) {
+            leases.wakes_at = Some(at);
+        }
+    }
+
+    /// Renews every live lease; false if a call failed.
+    async fn renew_all(&self) -> bool {
+        let batch: Vec<(Arc<str>, Arc<Lease>)> = lock(&self.leases)
+            .live
+            .iter()
+            .filter_map(|(member, lease)| Some((member.clone(), lease.upgrade()?)))
+            .collect();
+        let mut ok = true;
+        for chunk in batch.chunks(BATCH) {
+            ok &= self.renew(chunk).await;
+        }
+        ok
+    }
+
+    async fn renew(&self, chunk: &[(Arc<str>, Arc<Lease>)]) -> bool {
         let members: Vec<Arc<str>> = chunk.iter().map(|(member, _)| member.clone()).collect();
         let sent = Instant::now();
         match self.handle.renew(&members).await {
             Ok(renewed) => {
                 for ((member, lease), renewed) in chunk.iter().zip(renewed) {
                     let kept = match renewed {
-                        Some(lease_left) => lease.renewed(sent + lease_left),
+                        Some(remaining) => lease.renewed(sent + remaining),
                         None => {
                             lease.lose();
                             false
@@ -176,13 +244,93 @@ impl Keeper {
                         self.forget(member);
                     }
                 }
+                true
             }
-            // The next interval tries again; a lease that runs out meanwhile is lost.
-            Err(e) => tracing::warn!(
-                error = %e,
-                permits = chunk.len(),
-                "could not renew leases; they are lost if no renewal succeeds before they end"
-            ),
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    permits = chunk.len(),
+                    "could not renew leases; they are lost if no renewal succeeds before they end"
+                );
+                false
+            }
+        }
+    }
+}
+
+/// A renewal task. Dropping it (the task ended, or its runtime shut down with it) lets the
+/// next permit start another.
+struct Running {
+    keeper: Weak<Keeper>,
+    id: u64,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(keeper) = self.keeper.upgrade() {
+            let mut leases = lock(&keeper.leases);
+            if leases.task == Some(self.id) {
+                leases.task = None;
+            }
+        }
+    }
+}
+
+impl Running {
+    async fn run(self, wake: Arc<Notify>, mut reconnects: Option<watch::Receiver<u64>>) {
+        let mut not_before = Instant::now();
+        let mut pause = RETRY;
+        // The connection was lost: renew at once (and keep trying) to learn whether the
+        // backend still knows our holders.
+        let mut urgent = false;
+        loop {
+            let (due, max_pause) = {
+                let Some(keeper) = self.keeper.upgrade() else {
+                    return;
+                };
+                let Some(due) = keeper.next_due(self.id) else {
+                    return;
+                };
+                let at = if urgent {
+                    not_before
+                } else {
+                    due.max(not_before)
+                };
+                keeper.planned(self.id, at);
+                (at, (keeper.lease / 3).max(RETRY))
+            };
+            let reconnected = async {
+                match reconnects.as_mut() {
+                    Some(ticks) => ticks.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep_until(due) => {}
+                _ = wake.notified() => continue,
+                open = reconnected => {
+                    if open {
+                        urgent = true;
+                        not_before = Instant::now();
+                    } else {
+                        reconnects = None;
+                    }
+                    continue;
+                }
+            }
+            let Some(keeper) = self.keeper.upgrade() else {
+                return;
+            };
+            keeper.planned(self.id, Instant::now() + STALLED);
+            if keeper.renew_all().await {
+                urgent = false;
+                pause = RETRY;
+                // A lease the backend could not extend further stays due: no busy loop.
+                not_before = Instant::now() + RETRY.min(keeper.lease / 3);
+            } else {
+                not_before = Instant::now() + pause.mul_f64(0.5 + fastrand::f64() / 2.0);
+                pause = (pause * 2).min(max_pause);
+            }
         }
     }
 }

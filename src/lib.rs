@@ -65,6 +65,7 @@ pub mod layer;
 mod outage;
 mod permit;
 mod semaphore;
+mod sync;
 mod waitlist;
 
 pub use backend::{Backend, MemoryBackend, RedisBackend, RedisBackendBuilder};

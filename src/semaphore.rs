@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::backend::{Attempt, BATCH, Backend, Handle, KEEPALIVE, Member};
+use crate::backend::{Attempt, BATCH, Backend, Handle, KEEPALIVE, Member, Mode, Until};
 use crate::keeper::{Keeper, Lease};
 use crate::outage::OutagePolicy;
 use crate::permit::Permit;
@@ -274,12 +274,14 @@ impl Semaphore {
 
     /// Takes `weight` permits at once, as one holder, waiting like [`acquire`](Self::acquire).
     ///
-    /// A weight of 0 or above the limit fails at once with [`Error::Config`]. A backend that
-    /// fails or does not answer before the acquire timeout gives [`Error::Backend`], or what
-    /// the semaphore's [`OutagePolicy`] says.
+    /// A weight of 0 or above the limit fails at once with [`Error::Config`]. The acquire
+    /// timeout bounds the wait *in line*: with a free slot even a 1 ms timeout succeeds, and
+    /// a full semaphore answers [`Error::Timeout`] once it has passed. A backend that fails
+    /// or does not answer within its own call timeout gives [`Error::Backend`], or what the
+    /// semaphore's [`OutagePolicy`] says.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
         self.check_weight(weight)?;
-        let deadline = Instant::now() + self.inner.acquire_timeout;
+        let deadline = deadline_after(self.inner.acquire_timeout);
         match self.wait_for(weight, deadline).await {
             Err(e @ Error::Backend(_)) => self.outage(e, weight, Some(deadline)).await,
             other => other,
@@ -314,11 +316,11 @@ impl Semaphore {
         let attempt = self
             .inner
             .handle
-            .acquire(&pending.member, false, true)
+            .acquire(&pending.member, Mode::Once, None)
             .await?;
         match attempt {
-            Attempt::Granted { token, lease } => {
-                Ok(Some(self.permit(pending, token, sent + lease)))
+            Attempt::Granted { token, remaining } => {
+                Ok(Some(self.permit(pending, token, sent + remaining)))
             }
             Attempt::Full => {
                 pending.armed = false;
@@ -370,14 +372,37 @@ impl Semaphore {
         Ok(())
     }
 
-    /// Waits for a permit until `deadline`.
-    ///
-    /// One call queues the waiter in the backend's line (or grants at once); the grant is
-    /// then announced to this process's waitlist, so waiting costs no further round trip. A
-    /// first call cut off by the deadline is a backend failure (it did not answer); a wait cut
-    /// off is a timeout.
+    /// Waits for a permit until `deadline`. A grant that reached this process only after its
+    /// lease ended (the process was paused while it waited) is given back, and the wait goes
+    /// on while time remains.
     async fn wait_for(&self, weight: u32, deadline: Instant) -> Result<Permit, Error> {
         let started = Instant::now();
+        loop {
+            let permit = self.wait_once(weight, deadline, started).await?;
+            if !permit.is_lost() {
+                return Ok(permit);
+            }
+            tracing::debug!(semaphore = %self.inner.name, token = permit.fencing_token(),
+                "a grant arrived after its lease ended; queueing again");
+            drop(permit);
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    waited: started.elapsed(),
+                });
+            }
+        }
+    }
+
+    /// One place in line: the first call grants at once or queues the waiter in the backend's
+    /// line; the grant is then announced to this process's waitlist, so waiting costs no
+    /// further round trip. The first call is bounded by the backend's call timeout, not by
+    /// `deadline`: a slow answer is not a full semaphore, and a failed one is an outage.
+    async fn wait_once(
+        &self,
+        weight: u32,
+        deadline: Instant,
+        started: Instant,
+    ) -> Result<Permit, Error> {
         let timeout = || Error::Timeout {
             waited: started.elapsed(),
         };
@@ -394,30 +419,23 @@ impl Semaphore {
                 return Err(Error::TooManyWaiters { waiting });
             }
         };
-        let mut first = true;
+        let mut mode = Mode::Join;
         loop {
             let sent = Instant::now();
-            let call = handle.acquire(&pending.member, true, first);
-            let attempt = match tokio::time::timeout_at(deadline, call).await {
-                Ok(attempt) => attempt?,
-                Err(_) if first => {
-                    return Err(Error::backend(
-                        format!(
-                            "the backend did not answer within the acquire timeout ({:?}); \
-                             Redis may be overloaded, paused or unreachable",
-                            self.inner.acquire_timeout
-                        ),
-                        None,
-                    ));
-                }
-                Err(_) => return Err(timeout()),
+            let call = handle.acquire(&pending.member, mode, Some(deadline));
+            let attempt = if mode == Mode::Join {
+                call.await?
+            } else {
+                tokio::time::timeout_at(deadline, call)
+                    .await
+                    .map_err(|_| timeout())??
             };
-            first = false;
-            let mut refresh = match attempt {
-                Attempt::Granted { token, lease } => {
-                    return Ok(self.permit(pending, token, sent + lease));
+            mode = Mode::Recheck;
+            let (mut refresh, clock) = match attempt {
+                Attempt::Granted { token, remaining } => {
+                    return Ok(self.permit(pending, token, sent + remaining));
                 }
-                Attempt::Queued { retry_in } => retry_in,
+                Attempt::Queued { retry_in, clock } => (retry_in, clock),
                 Attempt::Full => {
                     return Err(Error::backend(
                         "the backend refused to queue a waiter; this is a bug, please report it",
@@ -429,8 +447,12 @@ impl Semaphore {
             loop {
                 let event = tokio::time::timeout_at(deadline, ticket.wait(refresh.min(KEEPALIVE)));
                 match event.await.map_err(|_| timeout())? {
-                    Event::Granted { token, lease, at } => {
-                        return Ok(self.permit(pending, token, at + lease));
+                    Event::Granted { token, until } => {
+                        let until = match until {
+                            Until::Server(us) => clock.local_time_of(us),
+                            Until::Local(until) => until,
+                        };
+                        return Ok(self.permit(pending, token, until));
                     }
                     // The backend dropped this waiter from its line: ask again.
                     Event::Retry => break,
@@ -439,9 +461,11 @@ impl Semaphore {
                         let members = list.queued_members();
                         // Batches keep each script call short, however long the line.
                         for batch in members.chunks(BATCH) {
-                            let touch = tokio::time::timeout_at(deadline, handle.touch(batch));
+                            let sent = Instant::now();
+                            let touch =
+                                tokio::time::timeout_at(deadline, handle.touch(batch, deadline));
                             let (statuses, retry_in) = touch.await.map_err(|_| timeout())??;
-                            list.apply(batch, &statuses);
+                            list.apply(batch, &statuses, sent);
                             refresh = retry_in;
                         }
                     }
@@ -451,11 +475,23 @@ impl Semaphore {
     }
 
     fn permit(&self, mut pending: Pending<'_>, token: u64, deadline: Instant) -> Permit {
+        // A lease that already ended is lost at once: the keeper does not take it.
         pending.armed = false;
         let lease = Lease::new(deadline);
-        self.inner.keeper.keep(pending.member.text.clone(), &lease);
+        if !lease.is_lost() {
+            self.inner.keeper.keep(pending.member.text.clone(), &lease);
+        }
         Permit::new(self.inner.clone(), pending.member.clone(), token, lease)
     }
+}
+
+/// `timeout` from now, or a far future for a timeout too long to add (`Duration::MAX`).
+fn deadline_after(timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(CENTURY))
+        .unwrap_or(now)
 }
 
 /// An acquisition under way: until it turns into a [`Permit`], dropping it (an error, a

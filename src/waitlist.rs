@@ -15,7 +15,8 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use crate::backend::Status;
+use crate::backend::{Status, Until};
+use crate::sync::lock;
 
 /// Sends a waitlist that needs a subscription to the backend's subscriber task.
 pub(crate) type SubscribeRequests = mpsc::UnboundedSender<Arc<Waitlist>>;
@@ -32,13 +33,6 @@ struct Lists {
     /// Dead entries are swept when the map reaches this size, which then becomes twice the live
     /// count: amortised O(1) per new key, and never more than twice the live lists.
     sweep_at: usize,
-}
-
-/// Locks a mutex whose critical sections never panic midway; a poisoned lock is still usable.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Hub {
@@ -136,12 +130,8 @@ struct Entry {
 /// What a waiting task is told.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Event {
-    /// The backend admitted this waiter; `at` is when the grant arrived.
-    Granted {
-        token: u64,
-        lease: Duration,
-        at: Instant,
-    },
+    /// The backend admitted this waiter, until its lease ends.
+    Granted { token: u64, until: Until },
     /// The backend no longer knows this waiter (it stopped answering in time): ask again.
     Retry,
     /// This waiter is the oldest and should refresh the line.
@@ -225,10 +215,8 @@ impl Waitlist {
     }
 
     /// The backend admitted `member` (ignored unless it waits here).
-    pub(crate) fn grant(&self, member: &str, token: u64, lease: Duration) {
-        let at = Instant::now();
-        self.state()
-            .tell(member, Event::Granted { token, lease, at });
+    pub(crate) fn grant(&self, member: &str, token: u64, until: Until) {
+        self.state().tell(member, Event::Granted { token, until });
     }
 
     /// Asks the oldest waiter to refresh the line now.
@@ -271,14 +259,15 @@ impl Waitlist {
             .collect()
     }
 
-    /// Applies what a refresh found: grants to deliver, forgotten waiters to retry.
-    pub(crate) fn apply(&self, members: &[Arc<str>], statuses: &[Status]) {
-        let at = Instant::now();
+    /// Applies what a refresh sent at `sent` found: grants to deliver, forgotten waiters to
+    /// retry.
+    pub(crate) fn apply(&self, members: &[Arc<str>], statuses: &[Status], sent: Instant) {
         let mut state = self.state();
         for (member, status) in members.iter().zip(statuses) {
             match *status {
-                Status::Granted { token, lease } => {
-                    state.tell(member, Event::Granted { token, lease, at })
+                Status::Granted { token, remaining } => {
+                    let until = Until::Local(sent + remaining);
+                    state.tell(member, Event::Granted { token, until })
                 }
                 Status::Unknown => state.tell(member, Event::Retry),
                 Status::Queued => {}

@@ -5,10 +5,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{Attempt, BoxFuture, Handle, Member, Status, sealed::Open};
+use super::{Attempt, BoxFuture, ClockReading, Handle, Member, Mode, Status, Until, sealed::Open};
 use crate::Error;
+use crate::sync::lock;
 use crate::waitlist::{Hub, Waitlist};
 
 /// An in-process backend with the same semantics as [`RedisBackend`](crate::RedisBackend):
@@ -45,6 +47,8 @@ impl std::fmt::Debug for MemoryBackend {
 struct Shared {
     state: Mutex<State>,
     hub: Hub,
+    /// The backend's clock reads µs since this instant.
+    epoch: Instant,
 }
 
 impl Default for Shared {
@@ -52,7 +56,15 @@ impl Default for Shared {
         Shared {
             state: Mutex::default(),
             hub: Hub::new(None),
+            epoch: Instant::now(),
         }
+    }
+}
+
+impl Shared {
+    /// `at` on the backend's clock, as announcements carry it.
+    fn server_us(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_micros()).unwrap_or(u64::MAX)
     }
 }
 
@@ -74,8 +86,9 @@ struct Permits {
     arrivals: u64,
 }
 
-/// A grant made while the lock was held, announced once it is released.
-type Grant = (Arc<str>, u64, Duration);
+/// A grant made while the lock was held, announced once it is released: member, token and
+/// lease deadline.
+type Grant = (Arc<str>, u64, Instant);
 
 impl Permits {
     fn hold(&mut self, member: &Member, now: Instant, fence: &mut u64) -> u64 {
@@ -104,8 +117,16 @@ impl Permits {
             let member = head.remove();
             self.queued.remove(&member.text);
             let token = self.hold(&member, now, fence);
-            grants.push((member.text, token, member.lease));
+            grants.push((member.text, token, now + member.lease));
         }
+    }
+
+    /// Pushes a holder's deadline to a full lease from now; `None` if it no longer holds.
+    fn extend(&mut self, member: &str, now: Instant) -> Option<Duration> {
+        let (deadline, _) = self.holders.get_mut(member)?;
+        let lease = Member::lease_of(member)?;
+        *deadline = (*deadline).max(now + lease);
+        Some(deadline.saturating_duration_since(now))
     }
 
     fn retry_in(&self, now: Instant, fallback: Duration) -> Duration {
@@ -116,12 +137,13 @@ impl Permits {
             .unwrap_or(fallback)
     }
 
-    fn status(&self, member: &str, now: Instant, fence: &mut u64) -> Status {
-        if let Some((deadline, _)) = self.holders.get(member) {
+    /// A holder is claimed for a full lease (its process is alive), with a fresh token.
+    fn status(&mut self, member: &str, now: Instant, fence: &mut u64) -> Status {
+        if let Some(remaining) = self.extend(member, now) {
             *fence += 1;
             return Status::Granted {
                 token: *fence,
-                lease: deadline.saturating_duration_since(now),
+                remaining,
             };
         }
         if self.queued.contains_key(member) {
@@ -158,10 +180,7 @@ struct MemorySemaphore {
 
 impl MemorySemaphore {
     fn state(&self) -> MutexGuard<'_, State> {
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.shared.state)
     }
 
     /// Runs `op` on this semaphore between two settlements, then announces the grants made.
@@ -180,8 +199,9 @@ impl MemorySemaphore {
             }
             result
         };
-        for (member, token, lease) in grants {
-            self.waitlist.grant(&member, token, lease);
+        for (member, token, deadline) in grants {
+            let until = Until::Server(self.shared.server_us(deadline));
+            self.waitlist.grant(&member, token, until);
         }
         result
     }
@@ -191,22 +211,25 @@ impl Handle for MemorySemaphore {
     fn acquire<'a>(
         &'a self,
         member: &'a Member,
-        queue: bool,
-        _first: bool,
+        mode: Mode,
+        _until: Option<Instant>,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
         let attempt = self.with(|permits, now, fence| {
-            if let Status::Granted { token, lease } = permits.status(&member.text, now, fence) {
-                return Attempt::Granted { token, lease };
+            if mode == Mode::Recheck
+                && let Status::Granted { token, remaining } =
+                    permits.status(&member.text, now, fence)
+            {
+                return Attempt::Granted { token, remaining };
             }
             let fits = u64::from(permits.used) + u64::from(member.weight) <= u64::from(self.limit);
             if permits.queue.is_empty() && fits {
                 let token = permits.hold(member, now, fence);
                 return Attempt::Granted {
                     token,
-                    lease: member.lease,
+                    remaining: member.lease,
                 };
             }
-            if !queue {
+            if mode == Mode::Once {
                 return Attempt::Full;
             }
             if !permits.queued.contains_key(&member.text) {
@@ -217,6 +240,10 @@ impl Handle for MemorySemaphore {
             }
             Attempt::Queued {
                 retry_in: permits.retry_in(now, member.lease),
+                clock: ClockReading {
+                    local: now,
+                    server_us: self.shared.server_us(now),
+                },
             }
         });
         Box::pin(async move { Ok(attempt) })
@@ -240,6 +267,7 @@ impl Handle for MemorySemaphore {
     fn touch<'a>(
         &'a self,
         members: &'a [Arc<str>],
+        _until: Instant,
     ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
         let found = self.with(|permits, now, fence| {
             let statuses = members
@@ -258,12 +286,7 @@ impl Handle for MemorySemaphore {
         let renewed = self.with(|permits, now, _| {
             members
                 .iter()
-                .map(|member| {
-                    let (deadline, _) = permits.holders.get_mut(member)?;
-                    let lease = super::Member::lease_of(member)?;
-                    *deadline = now + lease;
-                    Some(lease)
-                })
+                .map(|member| permits.extend(member, now))
                 .collect()
         });
         Box::pin(async move { Ok(renewed) })
@@ -272,6 +295,10 @@ impl Handle for MemorySemaphore {
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
         let used = self.with(|permits, _, _| permits.used);
         Box::pin(async move { Ok(used) })
+    }
+
+    fn reconnects(&self) -> Option<watch::Receiver<u64>> {
+        None
     }
 
     fn waitlist(&self) -> &Arc<Waitlist> {

@@ -6,6 +6,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
+use tokio::time::Instant;
+
 use crate::Error;
 use crate::waitlist::Waitlist;
 
@@ -79,14 +82,75 @@ impl Member {
     }
 }
 
+/// How an acquire call may treat its member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// One attempt: grant if it fits and nobody waits, else [`Attempt::Full`].
+    Once,
+    /// Grant, or join the line. The member is new to the backend, so no lookup is needed.
+    Join,
+    /// The member may already hold or wait (a retry, or the backend dropped it from the line):
+    /// look it up first, then grant or join the line again.
+    Recheck,
+}
+
+impl Mode {
+    /// The word the Redis script takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Once => "once",
+            Mode::Join => "join",
+            Mode::Recheck => "recheck",
+        }
+    }
+}
+
+/// A reading of the backend's clock: `server_us` (µs) was read no earlier than `local` by
+/// this process's clock. It turns a deadline on the backend's clock into a local instant that
+/// is never later than the backend's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClockReading {
+    pub local: Instant,
+    pub server_us: u64,
+}
+
+impl ClockReading {
+    /// The local instant at which the backend's clock has surely not yet passed `server_us`:
+    /// the backend read `self.server_us` at or after `self.local`, so it reaches `server_us`
+    /// at or after `self.local + (server_us - self.server_us)`.
+    pub fn local_time_of(&self, server_us: u64) -> Instant {
+        match server_us.checked_sub(self.server_us) {
+            Some(ahead) => self.local + Duration::from_micros(ahead),
+            None => self
+                .local
+                .checked_sub(Duration::from_micros(self.server_us - server_us))
+                .unwrap_or(self.local),
+        }
+    }
+}
+
+/// When a grant's lease ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Until {
+    /// On the backend's clock (µs), as an announcement says; the waiter converts it with the
+    /// [`ClockReading`] of its own call.
+    Server(u64),
+    /// Already converted to this process's clock.
+    Local(Instant),
+}
+
 /// What one acquire call found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Attempt {
-    /// The holder was added with this fencing token and lease.
-    Granted { token: u64, lease: Duration },
-    /// The holder waits in the queue; its grant will be announced to the waitlist. The
-    /// earliest lease ends in `retry_in`.
-    Queued { retry_in: Duration },
+    /// The holder was added with this fencing token; its lease ends `remaining` after the
+    /// backend's clock read at or after the call was sent.
+    Granted { token: u64, remaining: Duration },
+    /// The holder waits in the line; its grant will be announced to the waitlist. The
+    /// earliest lease ends in `retry_in`; `clock` was read by this very call.
+    Queued {
+        retry_in: Duration,
+        clock: ClockReading,
+    },
     /// No room and not queued (a one-shot attempt).
     Full,
 }
@@ -94,9 +158,11 @@ pub enum Attempt {
 /// A queued member's state, as [`Handle::touch`] finds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
+    /// It holds (and is now claimed for a full lease): `remaining` counts from the backend's
+    /// clock read at or after the touch was sent.
     Granted {
         token: u64,
-        lease: Duration,
+        remaining: Duration,
     },
     Queued,
     /// Neither holding nor waiting: it was dropped from the queue (it stopped answering).
@@ -112,15 +178,21 @@ pub const BATCH: usize = 1000;
 pub const PATIENCE: Duration = Duration::from_secs(3);
 pub const KEEPALIVE: Duration = Duration::from_secs(1);
 
+/// A grant to a waiter in the line is provisional: it lasts at most this long (and at most half
+/// its lease) until the waiter's process claims it by touching or renewing it, so a process
+/// that died or froze while waiting strands its slots for this long, not for a whole lease.
+pub const CLAIM: Duration = Duration::from_secs(3);
+
 /// The permits of one semaphore in one backend.
 pub trait Handle: Send + Sync + 'static {
-    /// Adds `member` as a holder if it fits and nobody waits; otherwise queues it (`queue`) or
-    /// answers [`Attempt::Full`]. `first` says the backend cannot know the member yet.
+    /// Adds `member` as a holder if it fits and nobody waits; otherwise queues it or
+    /// answers [`Attempt::Full`], as `mode` says. A backend that is loading or busy is asked
+    /// again until `until` (or its call timeout when `None`).
     fn acquire<'a>(
         &'a self,
         member: &'a Member,
-        queue: bool,
-        first: bool,
+        mode: Mode,
+        until: Option<Instant>,
     ) -> BoxFuture<'a, Result<Attempt, Error>>;
 
     /// Removes the holder or waiter (absent is not an error) and admits whoever now fits.
@@ -130,19 +202,26 @@ pub trait Handle: Send + Sync + 'static {
     /// next call to the backend (a flush task makes sure there is one soon).
     fn release_later(&self, member: Member);
 
-    /// Keeps queued `members` in line and reports each one's state, plus when the earliest
-    /// lease ends.
+    /// Keeps queued `members` in line, claims those that were granted, and reports each one's
+    /// state, plus when the earliest lease ends.
     fn touch<'a>(
         &'a self,
         members: &'a [Arc<str>],
+        until: Instant,
     ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>>;
 
-    /// Extends the leases of `members` that still hold; `None` for those that no longer do
-    /// (they are never added back).
+    /// Extends the leases of `members` that still hold to a full lease; for each, the time left
+    /// (from the backend's clock read at or after the call was sent), or `None` for those that
+    /// no longer hold (they are never added back).
     fn renew<'a>(
         &'a self,
         members: &'a [Arc<str>],
     ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>>;
+
+    /// Ticks each time the connection to the backend was lost: holders renew at once, so a
+    /// backend that came back empty is noticed within a round trip. `None` for a backend that
+    /// cannot lose its state.
+    fn reconnects(&self) -> Option<watch::Receiver<u64>>;
 
     /// The weight held by live (unexpired) holders.
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>>;

@@ -8,7 +8,7 @@
 //! along with the semaphore's next call.
 
 use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -16,10 +16,15 @@ use redis::{
     Client, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError,
     Script, ScriptInvocation, Value,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
-use super::{Attempt, BoxFuture, Handle, Member, PATIENCE, Status, sealed::Open};
+use super::{
+    Attempt, BoxFuture, CLAIM, ClockReading, Handle, Member, Mode, PATIENCE, Status, Until,
+    sealed::Open,
+};
 use crate::Error;
+use crate::sync::lock;
 use crate::waitlist::{Hub, Waitlist};
 
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/semaphore.lua")));
@@ -72,6 +77,10 @@ impl std::fmt::Debug for RedisBackend {
 struct Shared {
     conn: ConnectionManager,
     hub: Arc<Hub>,
+    call_timeout: Duration,
+    /// Ticks on every lost connection, so holders renew (and learn of a server that came back
+    /// empty) at once.
+    reconnects: Arc<watch::Sender<u64>>,
 }
 
 impl RedisBackend {
@@ -181,9 +190,16 @@ impl RedisBackendBuilder {
 
         let (subscribe, requests) = mpsc::unbounded_channel();
         let hub = Arc::new(Hub::new(Some(subscribe)));
+        let reconnects = Arc::new(watch::Sender::new(0));
         let notify = Arc::downgrade(&hub);
+        let ticks = Arc::downgrade(&reconnects);
         let config = ConnectionManagerConfig::new()
             .set_push_sender(move |push: PushInfo| {
+                if push.kind == PushKind::Disconnection
+                    && let Some(ticks) = ticks.upgrade()
+                {
+                    ticks.send_modify(|n| *n += 1);
+                }
                 on_push(&notify, push);
                 Ok::<(), std::convert::Infallible>(())
             })
@@ -197,7 +213,12 @@ impl RedisBackendBuilder {
             .map_err(|e| redis_error(e, "connect"))?;
         tokio::spawn(subscriber(conn.clone(), requests));
         Ok(RedisBackend {
-            shared: Arc::new(Shared { conn, hub }),
+            shared: Arc::new(Shared {
+                conn,
+                hub,
+                call_timeout: self.call_timeout,
+                reconnects,
+            }),
             prefix: self.prefix.into(),
         })
     }
@@ -211,8 +232,8 @@ fn on_push(hub: &Weak<Hub>, push: PushInfo) {
         PushKind::Message => {
             if let [Value::BulkString(channel), Value::BulkString(grant)] = push.data.as_slice() {
                 let list = std::str::from_utf8(channel).ok().and_then(|c| hub.get(c));
-                if let (Some(list), Some((member, token, lease))) = (list, parse_grant(grant)) {
-                    list.grant(member, token, lease);
+                if let (Some(list), Some((member, token, until))) = (list, parse_grant(grant)) {
+                    list.grant(member, token, until);
                 }
             }
         }
@@ -221,13 +242,13 @@ fn on_push(hub: &Weak<Hub>, push: PushInfo) {
     }
 }
 
-/// A grant announcement: `"<member> <token> <lease ms>"`.
-fn parse_grant(grant: &[u8]) -> Option<(&str, u64, Duration)> {
+/// A grant announcement: `"<member> <token> <deadline ms on the server's clock>"`.
+fn parse_grant(grant: &[u8]) -> Option<(&str, u64, Until)> {
     let mut parts = std::str::from_utf8(grant).ok()?.split(' ');
     let member = parts.next()?;
     let token = parts.next()?.parse().ok()?;
-    let lease = Duration::from_millis(parts.next()?.parse().ok()?);
-    Some((member, token, lease))
+    let deadline_ms: u64 = parts.next()?.parse().ok()?;
+    Some((member, token, Until::Server(deadline_ms.checked_mul(1000)?)))
 }
 
 /// Subscribes the channels waiters ask for, in order, and drops those idle for [`LINGER`].
@@ -276,8 +297,7 @@ async fn subscriber(
 
 impl Open for RedisBackend {
     fn open(&self, name: &str, limit: u32) -> Arc<dyn Handle> {
-        // All keys share the `{name}` hash tag, so a semaphore lives in one Cluster slot.
-        let base = format!("{}{{{}}}", self.prefix, name);
+        let base = format!("{}{}", self.prefix, hash_tag(name));
         let channel = format!("{base}:granted");
         Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
@@ -286,9 +306,27 @@ impl Open for RedisBackend {
             limit,
             waitlist: self.shared.hub.waitlist(&channel),
             channel,
-            unsent: Mutex::new(Vec::new()),
+            unsent: Mutex::default(),
         })
     }
+}
+
+/// `{name}`: a hash tag that keeps every key of the semaphore in one Cluster slot, whatever the
+/// name. `%`, `{` and `}` are percent-encoded, so no name can end the tag early (`}` first would
+/// make it empty, and Redis would hash each key whole) or share keys with another name.
+fn hash_tag(name: &str) -> String {
+    let mut tag = String::with_capacity(name.len() + 2);
+    tag.push('{');
+    for c in name.chars() {
+        match c {
+            '%' => tag.push_str("%25"),
+            '{' => tag.push_str("%7B"),
+            '}' => tag.push_str("%7D"),
+            c => tag.push(c),
+        }
+    }
+    tag.push('}');
+    tag
 }
 
 struct RedisSemaphore {
@@ -299,36 +337,43 @@ struct RedisSemaphore {
     channel: String,
     limit: u32,
     waitlist: Arc<Waitlist>,
-    /// Releases not sent yet: the next call carries them, or a flush task sends them.
-    unsent: Mutex<Vec<Arc<str>>>,
+    unsent: Mutex<Unsent>,
+}
+
+/// Releases not sent yet: the next call carries them, or a flush task sends them.
+#[derive(Default)]
+struct Unsent {
+    members: Vec<Arc<str>>,
+    /// A flush task is spawned and has not started yet: later releases wait for it.
+    flush_pending: bool,
 }
 
 impl RedisSemaphore {
-    fn unsent(&self) -> std::sync::MutexGuard<'_, Vec<Arc<str>>> {
-        self.unsent
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn unsent(&self) -> MutexGuard<'_, Unsent> {
+        lock(&self.unsent)
     }
 
     /// One call of the script: `op` on this semaphore, releasing `releasing` and whatever
     /// releases are waiting to be sent, with the operation's own arguments after those
-    /// (`args` is told whether this is the retry).
+    /// (`args` is told whether this is a repeat).
     ///
     /// A call whose connection dropped is sent once more: the connection manager reconnects on
-    /// that error, and every operation may run twice (an acquire's retry is marked not-first,
-    /// so it looks its member up instead of adding it again).
+    /// that error, and every operation may run twice (an acquire's repeat rechecks its member
+    /// instead of adding it again). A server that is loading its data or busy with a script is
+    /// asked again after a jittered pause, until `until` (or the call timeout).
     async fn run(
         &self,
         op: &'static str,
         releasing: Option<&Member>,
+        until: Option<Instant>,
         args: impl Fn(&mut ScriptInvocation<'static>, bool),
     ) -> Result<Value, Error> {
         let mut carried = Carried {
             semaphore: self,
-            members: std::mem::take(&mut *self.unsent()),
+            members: std::mem::take(&mut self.unsent().members),
             settled: false,
         };
-        let invocation = |retry: bool| {
+        let invocation = |repeat: bool| {
             let mut invocation = SCRIPT.prepare_invoke();
             for key in &self.keys {
                 invocation.key(key);
@@ -337,6 +382,8 @@ impl RedisSemaphore {
                 .arg(op)
                 .arg(&self.channel)
                 .arg(self.limit)
+                .arg(PATIENCE.as_millis() as u64)
+                .arg(CLAIM.as_millis() as u64)
                 .arg(carried.members.len() + usize::from(releasing.is_some()));
             if let Some(member) = releasing {
                 invocation.arg(&*member.text);
@@ -344,16 +391,25 @@ impl RedisSemaphore {
             for member in &carried.members {
                 invocation.arg(&**member);
             }
-            args(&mut invocation, retry);
-            tracing::trace!(target: CALLS, op, carried = carried.members.len(), retry, "script call");
+            args(&mut invocation, repeat);
+            tracing::trace!(target: CALLS, op, carried = carried.members.len(), repeat, "script call");
             invocation
         };
+        let until = until.unwrap_or_else(|| Instant::now() + self.shared.call_timeout);
         let mut conn = self.shared.conn.clone();
         let mut result = invocation(false).invoke_async(&mut conn).await;
-        if result
-            .as_ref()
-            .is_err_and(RedisError::is_connection_dropped)
-        {
+        let mut dropped_once = false;
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match &result {
+                Err(e) if e.is_connection_dropped() && !dropped_once => dropped_once = true,
+                Err(e) if is_transient(e) && Instant::now() + pause < until => {
+                    tracing::debug!(op, error = %e, "Redis is loading or busy; asking again");
+                    tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64())).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+                _ => break,
+            }
             result = invocation(true).invoke_async(&mut conn).await;
         }
         carried.settled = true;
@@ -368,25 +424,53 @@ impl RedisSemaphore {
 
     /// Sends the waiting releases, if no other call took them meanwhile.
     async fn flush(&self) {
-        if self.unsent().is_empty() {
+        if self.unsent().members.is_empty() {
             return;
         }
         // `run` logs a failure; the leases are the fallback.
-        let _ = self.run("release", None, |_, _| {}).await;
+        let _ = self.run("release", None, None, |_, _| {}).await;
     }
 
-    fn spawn_flush(&self) {
+    /// Makes sure a flush task will send the waiting releases, unless one is already due to.
+    fn schedule_flush(&self) {
         let Some(me) = self.me.upgrade() else { return };
+        if std::mem::replace(&mut me.unsent().flush_pending, true) {
+            return;
+        }
+        // The flag goes down when the task starts, or when it is dropped unstarted (its
+        // runtime shut down), so a lost task never stops later releases from being sent.
+        let pending = FlushPending(me);
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(async move { me.flush().await });
+                runtime.spawn(async move {
+                    pending.0.unsent().flush_pending = false;
+                    pending.0.flush().await;
+                });
             }
-            Err(_) => tracing::warn!(
-                "permit dropped outside a tokio runtime: it is released with the semaphore's next \
-                 call, or frees when its lease ends"
-            ),
+            Err(_) => {
+                drop(pending);
+                tracing::warn!(
+                    "permit dropped outside a tokio runtime: it is released with the semaphore's \
+                     next call, or frees when its lease ends"
+                );
+            }
         }
     }
+}
+
+/// Lowers the flush flag when dropped.
+struct FlushPending(Arc<RedisSemaphore>);
+
+impl Drop for FlushPending {
+    fn drop(&mut self) {
+        self.0.unsent().flush_pending = false;
+    }
+}
+
+/// A server state that passes by itself: loading its data set after a restart (`LOADING`),
+/// running a long script (`BUSY`), a cluster slot moving (`TRYAGAIN`), no master (`MASTERDOWN`).
+fn is_transient(e: &RedisError) -> bool {
+    matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry) || e.code() == Some("BUSY")
 }
 
 /// Releases carried by a call. If the call is cancelled before it is answered they go back to
@@ -403,8 +487,8 @@ impl Drop for Carried<'_> {
         if self.settled || self.members.is_empty() {
             return;
         }
-        self.semaphore.unsent().append(&mut self.members);
-        self.semaphore.spawn_flush();
+        self.semaphore.unsent().members.append(&mut self.members);
+        self.semaphore.schedule_flush();
     }
 }
 
@@ -412,25 +496,34 @@ impl Handle for RedisSemaphore {
     fn acquire<'a>(
         &'a self,
         member: &'a Member,
-        queue: bool,
-        first: bool,
+        mode: Mode,
+        until: Option<Instant>,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
         Box::pin(async move {
+            let sent = Instant::now();
             let reply = self
-                .run("acquire", None, |script, retry| {
-                    script
-                        .arg(&*member.text)
-                        .arg(PATIENCE.as_millis() as u64)
-                        .arg(u8::from(queue))
-                        .arg(u8::from(first && !retry));
+                .run("acquire", None, until, |script, repeat| {
+                    let mode = if repeat && mode == Mode::Join {
+                        Mode::Recheck
+                    } else {
+                        mode
+                    };
+                    script.arg(&*member.text).arg(mode.as_str());
                 })
                 .await?;
             match integers(&reply).as_deref() {
-                Some(&[1, token, lease]) => granted(token, lease).ok_or_else(|| unexpected(&reply)),
-                Some(&[2, retry_ms]) => Ok(Attempt::Queued {
-                    retry_in: millis(retry_ms),
+                Some(&[1, token, left_us]) => Ok(Attempt::Granted {
+                    token: token_of(token).ok_or_else(|| unexpected(&reply))?,
+                    remaining: micros(left_us).ok_or_else(|| unexpected(&reply))?,
                 }),
-                Some(&[0, _]) => Ok(Attempt::Full),
+                Some(&[2, retry_ms, now_us]) => Ok(Attempt::Queued {
+                    retry_in: millis(retry_ms),
+                    clock: ClockReading {
+                        local: sent,
+                        server_us: u64::try_from(now_us).map_err(|_| unexpected(&reply))?,
+                    },
+                }),
+                Some(&[0, _, _]) => Ok(Attempt::Full),
                 _ => Err(unexpected(&reply)),
             }
         })
@@ -438,7 +531,7 @@ impl Handle for RedisSemaphore {
 
     fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
-            match self.run("release", Some(member), |_, _| {}).await? {
+            match self.run("release", Some(member), None, |_, _| {}).await? {
                 Value::Int(_) => Ok(()),
                 other => Err(unexpected(&other)),
             }
@@ -446,24 +539,18 @@ impl Handle for RedisSemaphore {
     }
 
     fn release_later(&self, member: Member) {
-        let first = {
-            let mut unsent = self.unsent();
-            unsent.push(member.text);
-            unsent.len() == 1
-        };
-        if first {
-            self.spawn_flush();
-        }
+        self.unsent().members.push(member.text);
+        self.schedule_flush();
     }
 
     fn touch<'a>(
         &'a self,
         members: &'a [Arc<str>],
+        until: Instant,
     ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
         Box::pin(async move {
             let reply = self
-                .run("touch", None, |script, _| {
-                    script.arg(PATIENCE.as_millis() as u64);
+                .run("touch", None, Some(until), |script, _| {
                     for member in members {
                         script.arg(&**member);
                     }
@@ -479,8 +566,8 @@ impl Handle for RedisSemaphore {
             let statuses = rest
                 .chunks_exact(3)
                 .map(|status| match *status {
-                    [1, token, lease] => match granted(token, lease) {
-                        Some(Attempt::Granted { token, lease }) => Status::Granted { token, lease },
+                    [1, token, left_us] => match (token_of(token), micros(left_us)) {
+                        (Some(token), Some(remaining)) => Status::Granted { token, remaining },
                         _ => Status::Unknown,
                     },
                     [2, ..] => Status::Queued,
@@ -497,18 +584,16 @@ impl Handle for RedisSemaphore {
     ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>> {
         Box::pin(async move {
             let reply = self
-                .run("renew", None, |script, _| {
+                .run("renew", None, None, |script, _| {
                     for member in members {
                         script.arg(&**member);
                     }
                 })
                 .await?;
             match integers(&reply) {
-                Some(leases) if leases.len() == members.len() => Ok(leases
-                    .into_iter()
-                    .map(|ms| u64::try_from(ms).ok().filter(|&ms| ms > 0))
-                    .map(|ms| ms.map(Duration::from_millis))
-                    .collect()),
+                Some(left) if left.len() == members.len() => {
+                    Ok(left.into_iter().map(micros).collect())
+                }
                 _ => Err(unexpected(&reply)),
             }
         })
@@ -516,11 +601,15 @@ impl Handle for RedisSemaphore {
 
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
         Box::pin(async move {
-            match self.run("used", None, |_, _| {}).await? {
+            match self.run("used", None, None, |_, _| {}).await? {
                 Value::Int(used) => Ok(u32::try_from(used.max(0)).unwrap_or(u32::MAX)),
                 other => Err(unexpected(&other)),
             }
         })
+    }
+
+    fn reconnects(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.shared.reconnects.subscribe())
     }
 
     fn waitlist(&self) -> &Arc<Waitlist> {
@@ -528,11 +617,17 @@ impl Handle for RedisSemaphore {
     }
 }
 
-fn granted(token: i64, lease_ms: i64) -> Option<Attempt> {
-    Some(Attempt::Granted {
-        token: u64::try_from(token).ok().filter(|&token| token > 0)?,
-        lease: Duration::from_millis(u64::try_from(lease_ms).ok()?),
-    })
+/// A fencing token: positive.
+fn token_of(token: i64) -> Option<u64> {
+    u64::try_from(token).ok().filter(|&token| token > 0)
+}
+
+/// Time left of a lease: positive.
+fn micros(us: i64) -> Option<Duration> {
+    u64::try_from(us)
+        .ok()
+        .filter(|&us| us > 0)
+        .map(Duration::from_micros)
 }
 
 fn millis(ms: i64) -> Duration {

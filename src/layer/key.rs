@@ -2,13 +2,14 @@
 //! taken from the request.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::HeaderName;
 use http::request::Parts;
 
 use super::Refusal;
+use crate::sync::lock;
 use crate::{Backend, Error, OutagePolicy, Semaphore, SemaphoreBuilder};
 
 const DEFAULT_CAPACITY: usize = 10_000;
@@ -328,13 +329,6 @@ impl Partitions {
             },
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A poisoned cache is still consistent: no code panics between its updates.
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// A bounded map with second-chance (CLOCK) eviction: an approximation of least recently used

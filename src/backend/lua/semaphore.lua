@@ -2,31 +2,35 @@
 -- script, so it runs atomically; times come from the Redis server clock, never a client's.
 --
 -- KEYS[1] holders: zset, member -> lease deadline (ms)
--- KEYS[2] meta:    hash, `used` = weight of the live holders, `fence` = last fencing token,
---                  `horizon` = when holders and meta expire (ms)
+-- KEYS[2] meta:    hash, `used` = weight of the live holders, `count` = how many they are,
+--                  `fence` = last fencing token, `horizon` = when holders and meta expire (ms)
 -- KEYS[3] queue:   zset, member -> arrival (µs): who waits, oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
--- A member is "<holder id>:<weight>:<lease ms>". All keys share the `{name}` hash tag (one
--- Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are
--- deleted when the last holder leaves); queue and alive expire with the latest waiter deadline.
+-- A member is "<holder id>:<weight>:<lease ms>". All keys share one hash tag (one Cluster
+-- slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
+-- when the last holder leaves); queue and alive expire with the latest waiter deadline.
 --
--- ARGV: operation, channel, limit, k, then k members to release (holders or waiters; absent
--- ones are ignored), then the operation's arguments:
---   acquire <member> <patience ms> <queue: 1|0> <first: 1|0>
---       -> {1, token, lease ms} granted | {2, retry ms} queued | {0, retry ms} full, not queued
---   release                          -> how many of the k members held or waited
---   touch <patience ms> <member>...  -> {retry ms, then per member: 1, token, lease ms (granted)
---                                        | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
---   renew <member>...                -> per member: its new lease ms, or 0 if it no longer holds
---                                       (expired or removed: it is never added back)
---   used                             -> live weight
--- Whenever queued waiters fit they are admitted in arrival order, and each grant is published
--- on the channel as "<member> <token> <lease ms>". "retry ms" is the time until the earliest
--- lease ends: when an expiry may admit someone.
+-- ARGV: operation, channel, limit, patience ms, claim ms, k, then k members to release
+-- (holders or waiters; absent ones are ignored), then the operation's arguments:
+--   acquire <member> <once|join|recheck>
+--       -> {1, token, left µs} granted | {2, retry ms, now µs} queued | {0, retry ms, now µs} full
+--   release                      -> how many of the k members held or waited
+--   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
+--                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
+--   renew <member>...            -> per member: µs left of its new lease, or 0 if it no longer
+--                                   holds (expired or removed: it is never added back)
+--   used                         -> live weight
+-- "left µs" is a deadline minus the server time of this call, exact to the µs: a client that
+-- adds it to the moment it sent the call never believes a lease past the server's.
+-- Whenever queued waiters fit they are admitted in arrival order, each with a provisional lease
+-- of at most `claim` ms (and half its lease) that the waiter's process claims (touch or renew)
+-- to get its full lease; each grant is published on the channel as "<member> <token> <deadline
+-- ms>". "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
 local holders, meta, queue, alive = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local op, channel, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local released = tonumber(ARGV[4])
-local args = 5 + released
+local patience, claim = tonumber(ARGV[4]), tonumber(ARGV[5])
+local released = tonumber(ARGV[6])
+local args = 7 + released
 
 local time = redis.call('TIME')
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -42,56 +46,93 @@ local function parse(member)
   return tonumber(weight) or 0, tonumber(lease) or 0
 end
 
-local stored = redis.call('HMGET', meta, 'used', 'fence', 'horizon')
-local used, fence, horizon = tonumber(stored[1]), tonumber(stored[2]) or 0, tonumber(stored[3]) or 0
+local function left(deadline)
+  return deadline * 1000 - now_us
+end
+
+local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon')
+local used, count = tonumber(stored[1]), tonumber(stored[2])
+local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local changed = false
 
--- Drop holders whose lease has passed. The running sum is rebuilt from the members if `meta`
--- went missing (deleted behind our back), so it never admits more than the members allow.
+-- Drop holders whose lease has passed.
 local expired = redis.call('ZRANGEBYSCORE', holders, '-inf', now)
 if #expired > 0 then
   redis.call('ZREMRANGEBYSCORE', holders, '-inf', now)
   changed = true
 end
-if used == nil then
-  used = 0
-  for _, member in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
-    used = used + parse(member)
-  end
-  changed = true
-else
+if used and count then
   for _, member in ipairs(expired) do
     used = used - parse(member)
   end
+  count = count - #expired
+end
+-- The counter is never trusted over the members it counts: when `meta` or `holders` went
+-- missing or changed behind our back (eviction, a stray DEL), the sum is rebuilt from the
+-- members, and their keys get a TTL again.
+local card = redis.call('ZCARD', holders)
+if used == nil or count ~= card then
+  used, count = 0, card
+  for _, member in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
+    used = used + parse(member)
+  end
+  horizon = 0
+  if card > 0 then
+    local latest = tonumber(redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')[2])
+    horizon = latest + math.floor((latest - now) / 2) + 1
+    redis.call('PEXPIREAT', holders, horizon)
+  end
+  changed = true
 end
 
--- Holders and meta outlive the latest lease by at most half a lease.
+-- Holders and meta outlive the latest lease by at most half a lease (meta's TTL is set once,
+-- at the end).
 local function cover(lease)
   if now + lease > horizon then
     horizon = now + lease + math.floor(lease / 2)
     redis.call('PEXPIREAT', holders, horizon)
-    redis.call('PEXPIREAT', meta, horizon)
     changed = true
   end
 end
 
-local function grant(member)
+-- Adds a holder for `term` ms (at most its lease); returns its token and deadline.
+local function grant(member, term)
   local weight, lease = parse(member)
-  redis.call('ZADD', holders, now + lease, member)
+  local deadline = now + math.min(term, lease)
+  redis.call('ZADD', holders, deadline, member)
   used = used + weight
+  count = count + 1
   -- Strictly increasing; the server time in µs as a floor keeps the token above every token
   -- issued before the counter expired in an idle spell.
   fence = math.max(fence + 1, now_us)
   cover(lease)
   changed = true
-  return fence, lease
+  return fence, deadline
+end
+
+-- Pushes a holder's deadline to a full lease from now (never shortens it, never re-adds a
+-- holder that is gone); returns the deadline, or nil when it no longer holds.
+local function extend(member)
+  local deadline = tonumber(redis.call('ZSCORE', holders, member))
+  if not deadline then
+    return nil
+  end
+  local _, lease = parse(member)
+  if now + lease > deadline then
+    deadline = now + lease
+    redis.call('ZADD', holders, 'XX', deadline, member)
+    cover(lease)
+    changed = true
+  end
+  return deadline
 end
 
 local removed = 0
-for i = 5, args - 1 do
+for i = 7, args - 1 do
   local member = ARGV[i]
   if redis.call('ZREM', holders, member) == 1 then
     used = used - parse(member)
+    count = count - 1
     changed = true
     removed = removed + 1
   elseif redis.call('ZREM', queue, member) == 1 then
@@ -100,7 +141,8 @@ for i = 5, args - 1 do
   end
 end
 
--- Admit waiters in arrival order while the oldest fits; forget waiters that stopped answering.
+-- Admit waiters in arrival order while the oldest fits; forget waiters that stopped answering
+-- (and any whose liveness entry is gone).
 local granted = {}
 local waiting = redis.call('ZCARD', queue)
 if waiting > 0 then
@@ -115,43 +157,46 @@ if waiting > 0 then
       break
     end
     redis.call('ZREM', queue, member)
-    redis.call('ZREM', alive, member)
-    local token, lease = grant(member)
-    granted[member] = {token, lease}
-    redis.call('PUBLISH', channel, member .. ' ' .. int(token) .. ' ' .. lease)
+    if redis.call('ZREM', alive, member) == 1 then
+      local _, lease = parse(member)
+      local token, deadline = grant(member, math.min(claim, math.max(math.floor(lease / 2), 1)))
+      granted[member] = token
+      redis.call('PUBLISH', channel, member .. ' ' .. int(token) .. ' ' .. int(deadline))
+    end
   end
 end
 
-local function wait(member, patience)
+local function wait(member)
   redis.call('ZADD', alive, now + patience, member)
   redis.call('PEXPIREAT', queue, now + patience)
   redis.call('PEXPIREAT', alive, now + patience)
 end
 
--- Time until the earliest lease ends (at least 1 ms), or `fallback` when nobody holds.
-local function retry_in(fallback)
+-- Time until the earliest lease ends (at least 1 ms), or the patience when nobody holds.
+local function retry_in()
   local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2]
   if first then
     return math.max(tonumber(first) - now, 1)
   end
-  return fallback
+  return patience
 end
 
--- A known member's state: a holder (a grant whose announcement may have been lost gets a fresh
--- token), a waiter (its deadline pushed back), or unknown.
-local function status(member, patience)
-  local made = granted[member]
-  if made then
-    return 1, made[1], made[2]
-  end
-  local deadline = redis.call('ZSCORE', holders, member)
+-- A known member's state: a holder, claimed for a full lease since its process is alive (a
+-- grant whose announcement may have been lost gets a fresh token), a waiter (its deadline
+-- pushed back), or unknown.
+local function status(member)
+  local deadline = extend(member)
   if deadline then
-    fence = math.max(fence + 1, now_us)
-    changed = true
-    return 1, fence, tonumber(deadline) - now
+    local token = granted[member]
+    if not token then
+      fence = math.max(fence + 1, now_us)
+      token = fence
+      changed = true
+    end
+    return 1, token, left(deadline)
   end
   if waiting > 0 and redis.call('ZSCORE', queue, member) then
-    wait(member, patience)
+    wait(member)
     return 2, 0, 0
   end
   return 0, 0, 0
@@ -159,52 +204,43 @@ end
 
 local reply
 if op == 'acquire' then
-  local member, patience = ARGV[args], tonumber(ARGV[args + 1])
-  local may_queue, first = ARGV[args + 2] == '1', ARGV[args + 3] == '1'
-  local state, token, lease = 0, 0, 0
-  if not first then
-    state, token, lease = status(member, patience)
+  local member, mode = ARGV[args], ARGV[args + 1]
+  local state, token, rest = 0, 0, 0
+  if mode == 'recheck' then
+    state, token, rest = status(member)
   end
   if state == 1 then
-    reply = {1, token, lease}
+    reply = {1, token, rest}
   elseif state == 2 then
-    reply = {2, retry_in(patience)}
+    reply = {2, retry_in(), now_us}
   elseif waiting == 0 and used + parse(member) <= limit then
-    token, lease = grant(member)
-    reply = {1, token, lease}
-  elseif may_queue then
+    local _, lease = parse(member)
+    local deadline
+    token, deadline = grant(member, lease)
+    reply = {1, token, left(deadline)}
+  elseif mode ~= 'once' then
     redis.call('ZADD', queue, now_us, member)
     waiting = 1
-    wait(member, patience)
-    reply = {2, retry_in(patience)}
+    wait(member)
+    reply = {2, retry_in(), now_us}
   else
-    reply = {0, retry_in(patience)}
+    reply = {0, retry_in(), now_us}
   end
 elseif op == 'release' then
   reply = removed
 elseif op == 'touch' then
-  local patience = tonumber(ARGV[args])
-  reply = {retry_in(patience)}
-  for i = args + 1, #ARGV do
-    local state, token, lease = status(ARGV[i], patience)
+  reply = {retry_in()}
+  for i = args, #ARGV do
+    local state, token, rest = status(ARGV[i])
     table.insert(reply, state)
     table.insert(reply, token)
-    table.insert(reply, lease)
+    table.insert(reply, rest)
   end
 elseif op == 'renew' then
   reply = {}
   for i = args, #ARGV do
-    local member = ARGV[i]
-    local _, lease = parse(member)
-    -- XX: only a member that still holds is extended; CH: count it when its score changed.
-    if lease > 0 and redis.call('ZADD', holders, 'XX', 'CH', now + lease, member) == 1 then
-      cover(lease)
-      table.insert(reply, lease)
-    elseif redis.call('ZSCORE', holders, member) then
-      table.insert(reply, lease) -- renewed twice within the same millisecond
-    else
-      table.insert(reply, 0)
-    end
+    local deadline = extend(ARGV[i])
+    table.insert(reply, deadline and left(deadline) or 0)
   end
 elseif op == 'used' then
   reply = math.max(used, 0)
@@ -213,12 +249,13 @@ else
 end
 
 if changed then
-  if used <= 0 and redis.call('EXISTS', holders) == 0 then
+  if count <= 0 and redis.call('EXISTS', holders) == 0 then
     -- The last holder left: nothing stays behind (the token floor survives the lost counter).
     redis.call('DEL', meta)
   else
-    redis.call('HSET', meta, 'used', int(math.max(used, 0)), 'fence', int(fence), 'horizon', int(horizon))
-    if stored[3] == false then
+    redis.call('HSET', meta, 'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence),
+      'horizon', int(horizon))
+    if horizon ~= tonumber(stored[4]) then
       redis.call('PEXPIREAT', meta, horizon)
     end
   end

@@ -1,0 +1,9 @@
+//! Small synchronisation helpers shared by the crate's files.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// Locks a mutex whose critical sections never panic midway, so a poisoned lock is still
+/// consistent and usable.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
