@@ -37,15 +37,44 @@ fn semaphore(name: &str) -> tower_distributed_limit::SemaphoreBuilder {
         .acquire_timeout(Duration::from_secs(5))
 }
 
-/// The child: holds the semaphore's only permit until told to check it on stdin.
+/// The child, by role: `pause` holds the semaphore's only permit until told on stdin to check
+/// it; `frozen-waiter` waits in line once and says how that ended; `eight-waiters` queues
+/// eight waiters and then waits to be killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs only as a child process of the other tests"]
 async fn child_process() {
     let (Ok(role), Ok(url)) = (std::env::var(ROLE), std::env::var(URL)) else {
         return;
     };
-    assert_eq!(role, "pause", "unknown role");
     let backend = RedisBackend::connect(&url).await.unwrap();
+    match role.as_str() {
+        "pause" => hold_until_checked(backend).await,
+        "frozen-waiter" => {
+            let sem = semaphore("frozen").build(backend).unwrap();
+            match sem.acquire().await {
+                Ok(permit) => println!("DLIMIT held lost={}", permit.is_lost()),
+                Err(Error::Timeout { .. }) => println!("DLIMIT timeout"),
+                Err(e) => println!("DLIMIT error {e}"),
+            }
+        }
+        "eight-waiters" => {
+            let sem = claims().build(backend).unwrap();
+            let waiters: Vec<_> = (0..8)
+                .map(|_| {
+                    let sem = sem.clone();
+                    tokio::spawn(async move { sem.acquire().await })
+                })
+                .collect();
+            println!("DLIMIT started");
+            for waiter in waiters {
+                let _ = waiter.await;
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+async fn hold_until_checked(backend: RedisBackend) {
     let sem = semaphore("paused").build(backend).unwrap();
     let permit = sem.acquire().await.unwrap();
     println!("DLIMIT held {}", permit.fencing_token());
@@ -62,6 +91,137 @@ async fn child_process() {
         .await
         .is_ok();
     println!("DLIMIT lost={lost} is_lost={}", permit.is_lost());
+}
+
+/// Eight permits with a long lease, for the claim-window test.
+fn claims() -> tower_distributed_limit::SemaphoreBuilder {
+    Semaphore::builder("claims")
+        .limit(8)
+        .lease(Duration::from_secs(30))
+        .acquire_timeout(Duration::from_secs(10))
+}
+
+async fn queue_len(redis: &Redis, name: &str) -> u64 {
+    redis::cmd("ZCARD")
+        .arg(format!("dlimit:{{{name}}}:queue"))
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap()
+}
+
+/// A waiter frozen while its grant is announced, and kept frozen until the grant's lease has
+/// ended and another process holds the slot, must not wake believing it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_frozen_past_its_grant_does_not_wake_holding_it() {
+    let redis = Redis::start().await;
+    let sem = semaphore("frozen").build(redis.backend().await).unwrap();
+    let first = sem.acquire().await.unwrap();
+    let mut child = spawn_child(&redis, "frozen-waiter");
+    eventually(
+        Duration::from_secs(10),
+        "the child to wait in line",
+        || async { queue_len(&redis, "frozen").await == 1 },
+    )
+    .await;
+    let pid = child.id().unwrap();
+    signal(pid, "STOP");
+    // The slot goes to the frozen child, whose grant runs out unclaimed; then it is ours.
+    drop(first);
+    let second = sem.acquire().await.expect("the unclaimed grant ran out");
+    signal(pid, "CONT");
+    // While we hold the slot, the child must not report holding it too.
+    assert_eq!(child_says(&mut child).await, "timeout");
+    assert!(!second.is_lost());
+    assert!(child.wait().await.unwrap().success());
+}
+
+/// A process killed with eight waiters in line: the grants made to them are provisional and
+/// come back within the claim window, not after a whole (30 s) lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_processs_grants_come_back_within_the_claim_window() {
+    let redis = Redis::start().await;
+    let sem = claims().build(redis.backend().await).unwrap();
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(sem.acquire().await.unwrap());
+    }
+    let mut child = spawn_child(&redis, "eight-waiters");
+    assert_eq!(child_says(&mut child).await, "started");
+    eventually(Duration::from_secs(10), "eight waiters in line", || async {
+        queue_len(&redis, "claims").await == 8
+    })
+    .await;
+    child.kill().await.unwrap();
+    // Our own waiters queue behind the dead ones.
+    let ours: Vec<_> = (0..8)
+        .map(|_| {
+            let sem = sem.clone();
+            tokio::spawn(async move { sem.acquire().await })
+        })
+        .collect();
+    eventually(Duration::from_secs(5), "our waiters in line", || async {
+        queue_len(&redis, "claims").await == 16
+    })
+    .await;
+    let released = Instant::now();
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        ours.iter().all(|waiter| !waiter.is_finished()),
+        "the slots went to the dead process's waiters first"
+    );
+    let mut permits = Vec::new();
+    for waiter in ours {
+        permits.push(
+            waiter
+                .await
+                .unwrap()
+                .expect("a slot within the claim window"),
+        );
+    }
+    let reused = released.elapsed();
+    eprintln!("every slot in use again {reused:?} after the release");
+    assert!(reused < Duration::from_secs(8), "{reused:?}");
+}
+
+/// Redis restarts empty (no persistence) while we hold permits, and another process takes the
+/// slots it forgot: our holders learn it as soon as the connection is back, not a third of a
+/// lease (10 s here) later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holders_learn_of_an_empty_restart_at_once() {
+    let mut redis = Redis::start().await;
+    let builder = || {
+        Semaphore::builder("forgotten")
+            .limit(2)
+            .lease(Duration::from_secs(30))
+    };
+    let ours = builder().build(redis.backend().await).unwrap();
+    let held = [ours.acquire().await.unwrap(), ours.acquire().await.unwrap()];
+    redis.kill();
+    redis.restart().await;
+    let theirs = builder().build(redis.backend().await).unwrap();
+    let taken = [
+        theirs
+            .try_acquire()
+            .await
+            .unwrap()
+            .expect("the server forgot our permits"),
+        theirs
+            .try_acquire()
+            .await
+            .unwrap()
+            .expect("the server forgot our permits"),
+    ];
+    let overlap = Instant::now();
+    tokio::time::timeout(Duration::from_secs(3), async {
+        for permit in &held {
+            permit.lost().await;
+        }
+    })
+    .await
+    .expect("our holders learn within a moment that the server forgot them");
+    eprintln!("two holders too many for {:?}", overlap.elapsed());
+    drop(taken);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
