@@ -90,6 +90,8 @@ impl RedisBackend {
     ///
     /// Fails with [`Error::Config`] for a malformed URL and [`Error::Backend`] when the server
     /// cannot be reached now; once connected, the connection is re-established by itself.
+    /// Connect inside the runtime that will use the backend: the connection's driver task runs
+    /// there, and stops with it.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         Self::builder(url).connect().await
     }
