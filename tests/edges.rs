@@ -3,6 +3,7 @@
 //! deleted behind the semaphore's back, absurd timeouts, hostile names, per-key churn, and a
 //! Redis server busy with a script.
 
+#[macro_use]
 mod support;
 
 use std::collections::HashMap;
@@ -15,24 +16,7 @@ use tower_distributed_limit::{
 
 use support::{Redis, eventually};
 
-/// Runs a test body once per backend: in-process, and against a private redis-server.
-macro_rules! both_backends {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                super::$name(tower_distributed_limit::MemoryBackend::new()).await;
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                let redis = super::Redis::start().await;
-                super::$name(redis.backend().await).await;
-            }
-        }
-    )*};
-}
-
-both_backends!(
+on_both_backends!(
     a_short_acquire_timeout_is_never_an_outage,
     a_free_slot_is_granted_even_with_a_1ms_timeout,
     an_endless_acquire_timeout_works,

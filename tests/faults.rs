@@ -101,14 +101,6 @@ fn claims() -> tower_distributed_limit::SemaphoreBuilder {
         .acquire_timeout(Duration::from_secs(10))
 }
 
-async fn queue_len(redis: &Redis, name: &str) -> u64 {
-    redis::cmd("ZCARD")
-        .arg(format!("dlimit:{{{name}}}:queue"))
-        .query_async(&mut redis.conn().await)
-        .await
-        .unwrap()
-}
-
 /// A waiter frozen while its grant is announced, and kept frozen until the grant's lease has
 /// ended and another process holds the slot, must not wake believing it holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,7 +112,7 @@ async fn a_waiter_frozen_past_its_grant_does_not_wake_holding_it() {
     eventually(
         Duration::from_secs(10),
         "the child to wait in line",
-        || async { queue_len(&redis, "frozen").await == 1 },
+        || async { redis.queue_len("frozen").await == 1 },
     )
     .await;
     let pid = child.id().unwrap();
@@ -148,7 +140,7 @@ async fn a_dead_processs_grants_come_back_within_the_claim_window() {
     let mut child = spawn_child(&redis, "eight-waiters");
     assert_eq!(child_says(&mut child).await, "started");
     eventually(Duration::from_secs(10), "eight waiters in line", || async {
-        queue_len(&redis, "claims").await == 8
+        redis.queue_len("claims").await == 8
     })
     .await;
     child.kill().await.unwrap();
@@ -160,7 +152,7 @@ async fn a_dead_processs_grants_come_back_within_the_claim_window() {
         })
         .collect();
     eventually(Duration::from_secs(5), "our waiters in line", || async {
-        queue_len(&redis, "claims").await == 16
+        redis.queue_len("claims").await == 16
     })
     .await;
     let released = Instant::now();

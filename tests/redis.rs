@@ -279,14 +279,6 @@ async fn unreachable_redis_and_bad_urls_are_clear_errors() {
     );
 }
 
-async fn queue_len(redis: &Redis, name: &str) -> u64 {
-    redis::cmd("ZCARD")
-        .arg(format!("dlimit:{{{name}}}:queue"))
-        .query_async(&mut redis.conn().await)
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_on_different_connections_are_served_in_arrival_order() {
     let redis = Redis::start().await;
@@ -314,7 +306,7 @@ async fn waiters_on_different_connections_are_served_in_arrival_order() {
         }));
         // Arrival order is what the line records: wait until this waiter is in it.
         eventually(Duration::from_secs(5), "the waiter to queue", || async {
-            queue_len(&redis, "fifo").await == i + 1
+            redis.queue_len("fifo").await == i + 1
         })
         .await;
     }
@@ -337,7 +329,7 @@ async fn a_killed_waiter_leaves_the_line() {
     let mut child = spawn_child(&redis, "wait");
     assert_eq!(child_says(&mut child).await, "waiting");
     eventually(Duration::from_secs(10), "the child to queue", || async {
-        queue_len(&redis, "line").await == 1
+        redis.queue_len("line").await == 1
     })
     .await;
     child.kill().await.unwrap();
@@ -345,7 +337,7 @@ async fn a_killed_waiter_leaves_the_line() {
     eventually(
         Duration::from_secs(6),
         "the dead waiter to leave",
-        || async { queue_len(&redis, "line").await == 0 },
+        || async { redis.queue_len("line").await == 0 },
     )
     .await;
     held.release().await.unwrap();
@@ -368,7 +360,7 @@ async fn a_grant_survives_a_dropped_connection() {
     let mut held = holder.acquire().await.unwrap();
     let waiter = tokio::spawn(async move { waiter_sem.acquire().await.map(|p| p.fencing_token()) });
     eventually(Duration::from_secs(5), "the waiter to queue", || async {
-        queue_len(&redis, "reconnect").await == 1
+        redis.queue_len("reconnect").await == 1
     })
     .await;
     // Cut every client connection but ours, then hand the slot over while the waiter's

@@ -1,6 +1,7 @@
 //! Behaviour every backend shares: each body runs once on `MemoryBackend` and once on
 //! `RedisBackend` against a real redis-server.
 
+#[macro_use]
 mod support;
 
 use std::time::Duration;
@@ -8,24 +9,6 @@ use std::time::Duration;
 use tower_distributed_limit::{Backend, Error, Semaphore};
 
 use support::eventually;
-
-/// Runs each listed body as `<name>::memory` and `<name>::redis`.
-macro_rules! on_both_backends {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                super::$name(tower_distributed_limit::MemoryBackend::new()).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                let redis = super::support::Redis::start().await;
-                super::$name(redis.backend().await).await;
-            }
-        }
-    )*};
-}
 
 on_both_backends!(
     config_errors,

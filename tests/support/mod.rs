@@ -1,5 +1,5 @@
 //! Test fixtures: a real redis-server per test on a free loopback port, and bounded waits.
-#![allow(dead_code)] // each test crate uses its own part of this module
+#![allow(dead_code, unused_macros)] // each test crate uses its own part of this module
 
 use std::future::Future;
 use std::process::Stdio;
@@ -11,6 +11,25 @@ use tokio::process::{Child, Command};
 use redis::aio::MultiplexedConnection;
 use redis_test::server::RedisServer;
 use tower_distributed_limit::RedisBackend;
+
+/// Runs each listed body as `<name>::memory` and `<name>::redis`: once on an in-process
+/// backend, once against a private redis-server.
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                super::$name(tower_distributed_limit::MemoryBackend::new()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redis() {
+                let redis = super::support::Redis::start().await;
+                super::$name(redis.backend().await).await;
+            }
+        }
+    )*};
+}
 
 /// A private redis-server, killed when dropped.
 pub struct Redis {
@@ -40,6 +59,15 @@ impl Redis {
         redis::Client::open(self.url.as_str())
             .unwrap()
             .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    /// How many wait in the line of semaphore `name` (default key prefix).
+    pub async fn queue_len(&self, name: &str) -> u64 {
+        redis::cmd("ZCARD")
+            .arg(format!("dlimit:{{{name}}}:queue"))
+            .query_async(&mut self.conn().await)
             .await
             .unwrap()
     }
