@@ -15,8 +15,31 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use crate::backend::{Status, Until};
 use crate::sync::lock;
+
+/// When a grant's lease ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Until {
+    /// On the backend's clock (µs), as an announcement says; the waiter converts it with the
+    /// clock reading (`ClockReading`) of its own call.
+    Server(u64),
+    /// Already converted to this process's clock.
+    Local(Instant),
+}
+
+/// A queued member's state, as a backend's refresh (`Handle::touch`) finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// It holds (and is now claimed for a full lease): `remaining` counts from the backend's
+    /// clock read at or after the touch was sent.
+    Granted {
+        token: u64,
+        remaining: Duration,
+    },
+    Queued,
+    /// Neither holding nor waiting: it was dropped from the queue (it stopped answering).
+    Unknown,
+}
 
 /// Sends a waitlist that needs a subscription to the backend's subscriber task.
 pub(crate) type SubscribeRequests = mpsc::UnboundedSender<Arc<Waitlist>>;

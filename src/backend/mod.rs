@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use crate::Error;
 use crate::waitlist::Waitlist;
+pub use crate::waitlist::{Status, Until};
 
 mod memory;
 mod redis;
@@ -129,16 +130,6 @@ impl ClockReading {
     }
 }
 
-/// When a grant's lease ends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Until {
-    /// On the backend's clock (µs), as an announcement says; the waiter converts it with the
-    /// [`ClockReading`] of its own call.
-    Server(u64),
-    /// Already converted to this process's clock.
-    Local(Instant),
-}
-
 /// What one acquire call found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Attempt {
@@ -153,20 +144,6 @@ pub enum Attempt {
     },
     /// No room and not queued (a one-shot attempt).
     Full,
-}
-
-/// A queued member's state, as [`Handle::touch`] finds it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Status {
-    /// It holds (and is now claimed for a full lease): `remaining` counts from the backend's
-    /// clock read at or after the touch was sent.
-    Granted {
-        token: u64,
-        remaining: Duration,
-    },
-    Queued,
-    /// Neither holding nor waiting: it was dropped from the queue (it stopped answering).
-    Unknown,
 }
 
 /// The most members one call renews or refreshes, so a long list never blocks Redis for long.
