@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 use tower_distributed_limit::{Error, OutagePolicy, RedisBackend, Semaphore};
 
-use support::{ROLE, Redis, URL, child_says, eventually, signal, spawn_child};
+use support::{Redis, child_role, child_says, eventually, signal, spawn_child};
 
 /// A resource guarded by fencing tokens: it remembers the highest token it has seen and
 /// refuses writes that carry an older one.
@@ -43,7 +43,7 @@ fn semaphore(name: &str) -> tower_distributed_limit::SemaphoreBuilder {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs only as a child process of the other tests"]
 async fn child_process() {
-    let (Ok(role), Ok(url)) = (std::env::var(ROLE), std::env::var(URL)) else {
+    let Some((role, url)) = child_role() else {
         return;
     };
     let backend = RedisBackend::connect(&url).await.unwrap();

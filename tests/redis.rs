@@ -7,13 +7,13 @@ use std::time::Duration;
 use tokio::process::Child;
 use tower_distributed_limit::{Error, RedisBackend, Semaphore};
 
-use support::{ROLE, Redis, URL, child_says, eventually, spawn_child};
+use support::{Redis, child_role, child_says, eventually, spawn_child};
 
 /// The body of the child processes; a no-op unless started by `spawn_child`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs only as a child process of the other tests"]
 async fn child_process() {
-    let (Ok(role), Ok(url)) = (std::env::var(ROLE), std::env::var(URL)) else {
+    let Some((role, url)) = child_role() else {
         return;
     };
     let backend = RedisBackend::connect(&url).await.unwrap();

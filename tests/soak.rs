@@ -86,7 +86,7 @@ use tokio::sync::watch;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tower_distributed_limit::{Error, RedisBackend, Semaphore};
 
-use support::{ROLE, URL, eventually, signal};
+use support::{ROLE, URL, child_role, eventually, signal};
 
 const NAME: &str = "soak";
 /// Settings the parent hands to its workers.
@@ -197,7 +197,7 @@ fn around(rng: &mut fastrand::Rng, mean: Duration) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs only as a child process of the soak tests"]
 async fn child_process() {
-    let (Ok(role), Ok(url)) = (std::env::var(ROLE), std::env::var(URL)) else {
+    let Some((role, url)) = child_role() else {
         return;
     };
     assert_eq!(role, "soak", "unknown role");

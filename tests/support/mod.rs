@@ -162,6 +162,12 @@ where
 pub const ROLE: &str = "DLIMIT_TEST_ROLE";
 pub const URL: &str = "DLIMIT_TEST_URL";
 
+/// In a child started by [`spawn_child`] (or the soak test): its role and Redis URL. `None` in
+/// a normal test run, where the ignored `child_process` tests do nothing.
+pub fn child_role() -> Option<(String, String)> {
+    Some((std::env::var(ROLE).ok()?, std::env::var(URL).ok()?))
+}
+
 /// Starts this test binary again as a child process playing `role` against `redis`: the
 /// binary's `child_process` test (ignored in normal runs) reads [`ROLE`] and [`URL`].
 pub fn spawn_child(redis: &Redis, role: &str) -> Child {
