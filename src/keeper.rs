@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
-use crate::backend::{BATCH, Handle};
+use crate::backend::{Member, Store};
 use crate::sync::lock;
 
 /// The shortest pause before a failed renewal is tried again; it doubles up to a third of the
@@ -120,7 +120,7 @@ impl Lease {
 /// the keeper only weakly, and is started again on whatever runtime is current if the last one
 /// went away.
 pub(crate) struct Keeper {
-    handle: Arc<dyn Handle>,
+    store: Arc<dyn Store>,
     lease: Duration,
     leases: Mutex<Leases>,
     /// Wakes the task: a more urgent lease arrived, or the last one left.
@@ -129,7 +129,7 @@ pub(crate) struct Keeper {
 
 #[derive(Default)]
 struct Leases {
-    live: HashMap<Arc<str>, Weak<Lease>>,
+    live: HashMap<Member, Weak<Lease>>,
     /// The running task's number, if one runs.
     task: Option<u64>,
     tasks: u64,
@@ -138,9 +138,9 @@ struct Leases {
 }
 
 impl Keeper {
-    pub(crate) fn new(handle: Arc<dyn Handle>, lease: Duration) -> Arc<Self> {
+    pub(crate) fn new(store: Arc<dyn Store>, lease: Duration) -> Arc<Self> {
         Arc::new(Keeper {
-            handle,
+            store,
             lease,
             leases: Mutex::default(),
             wake: Arc::new(Notify::new()),
@@ -148,7 +148,7 @@ impl Keeper {
     }
 
     /// Starts renewing `member`'s lease.
-    pub(crate) fn keep(self: &Arc<Self>, member: Arc<str>, lease: &Arc<Lease>) {
+    pub(crate) fn keep(self: &Arc<Self>, member: Member, lease: &Arc<Lease>) {
         let due = lease.due();
         let mut leases = lock(&self.leases);
         leases.live.insert(member, Arc::downgrade(lease));
@@ -171,15 +171,14 @@ impl Keeper {
                 keeper: Arc::downgrade(self),
                 id,
             };
-            runtime.spawn(running.run(self.wake.clone(), self.handle.reconnects()));
+            runtime.spawn(running.run(self.wake.clone(), self.store.reconnects()));
         }
     }
 
     /// Stops renewing `member` (released, or lost).
-    pub(crate) fn forget(&self, member: &str) {
+    pub(crate) fn forget(&self, member: &Member) {
         let mut leases = lock(&self.leases);
-        leases.live.remove(member);
-        if leases.live.is_empty() {
+        if leases.live.remove(member).is_some() && leases.live.is_empty() {
             // The task ends now rather than at its next renewal.
             self.wake.notify_one();
         }
@@ -213,26 +212,18 @@ impl Keeper {
         }
     }
 
-    /// Renews every live lease; false if a call failed.
+    /// Renews every live lease in one call (the store batches a long list); false if it
+    /// failed.
     async fn renew_all(&self) -> bool {
-        let batch: Vec<(Arc<str>, Arc<Lease>)> = lock(&self.leases)
+        let (members, leases): (Vec<Member>, Vec<Arc<Lease>>) = lock(&self.leases)
             .live
             .iter()
             .filter_map(|(member, lease)| Some((member.clone(), lease.upgrade()?)))
-            .collect();
-        let mut ok = true;
-        for chunk in batch.chunks(BATCH) {
-            ok &= self.renew(chunk).await;
-        }
-        ok
-    }
-
-    async fn renew(&self, chunk: &[(Arc<str>, Arc<Lease>)]) -> bool {
-        let members: Vec<Arc<str>> = chunk.iter().map(|(member, _)| member.clone()).collect();
+            .unzip();
         let sent = Instant::now();
-        match self.handle.renew(&members).await {
+        match self.store.renew(&members).await {
             Ok(renewed) => {
-                for ((member, lease), renewed) in chunk.iter().zip(renewed) {
+                for ((member, lease), renewed) in members.iter().zip(&leases).zip(renewed) {
                     let kept = match renewed {
                         Some(remaining) => lease.renewed(sent + remaining),
                         None => {
@@ -249,7 +240,7 @@ impl Keeper {
             Err(e) => {
                 tracing::warn!(
                     error = %e,
-                    permits = chunk.len(),
+                    permits = members.len(),
                     "could not renew leases; they are lost if no renewal succeeds before they end"
                 );
                 false

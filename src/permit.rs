@@ -1,4 +1,9 @@
 //! The permit guard: who holds it, its fencing token, its lease, and release on drop.
+//!
+//! One mechanism gives members back: a [`Claim`] is a member this process may hold or have
+//! queued in the backend, released in the background when dropped. An acquisition under way
+//! holds a claim (a cancelled or failed acquire leaks nothing); a [`Permit`] is a claim that
+//! was granted.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,9 +11,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::backend::Member;
-use crate::keeper::Lease;
-use crate::semaphore::Inner;
+use crate::backend::{Member, Store};
+use crate::keeper::{Keeper, Lease};
 
 /// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
 ///
@@ -39,50 +43,104 @@ use crate::semaphore::Inner;
 /// ```
 #[must_use = "a permit is released as soon as it is dropped"]
 pub struct Permit {
-    semaphore: Arc<Inner>,
-    member: Member,
+    claim: Claim,
     token: u64,
     /// The lease as this process knows it, renewed by the semaphore's keeper.
     lease: Arc<Lease>,
-    released: bool,
+}
+
+/// What the permits of one semaphore share: where they are released and who renews them.
+pub(crate) struct Origin {
+    pub(crate) name: String,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) keeper: Arc<Keeper>,
+    /// These are the outage policy's in-process permits.
+    pub(crate) degraded: bool,
+}
+
+/// A member this process may hold or have queued in the backend. Until it is given back (or
+/// disarmed: nothing was added), dropping it releases the member in the background.
+pub(crate) struct Claim {
+    origin: Arc<Origin>,
+    member: Member,
+    armed: bool,
+}
+
+impl Claim {
+    /// A fresh member of `weight` with the semaphore's lease.
+    pub(crate) fn new(origin: &Arc<Origin>, weight: u32, lease: Duration) -> Self {
+        Claim {
+            origin: origin.clone(),
+            member: Member::new(weight, lease),
+            armed: true,
+        }
+    }
+
+    pub(crate) fn member(&self) -> &Member {
+        &self.member
+    }
+
+    /// The backend holds nothing of this member: there is nothing to give back.
+    pub(crate) fn disarm(mut self) {
+        self.armed = false;
+    }
+
+    /// The backend granted the member with `token` until `deadline` (by this process's clock,
+    /// never later than the backend's). A lease that already ended makes a permit that is lost
+    /// at once; the keeper renews the others.
+    pub(crate) fn into_permit(self, token: u64, deadline: Instant) -> Permit {
+        let lease = Lease::new(deadline);
+        if !lease.is_lost() {
+            self.origin.keeper.keep(self.member.clone(), &lease);
+        }
+        Permit {
+            claim: self,
+            token,
+            lease,
+        }
+    }
+
+    /// Gives the member back now; after a success, dropping does nothing.
+    async fn release(&mut self) -> Result<(), Error> {
+        if self.armed {
+            self.origin.store.release(&self.member).await?;
+            self.armed = false;
+            self.origin.keeper.forget(&self.member);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.armed {
+            self.origin.keeper.forget(&self.member);
+            self.origin.store.release_later(self.member.clone());
+        }
+    }
 }
 
 impl std::fmt::Debug for Permit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Permit")
-            .field("semaphore", &self.semaphore.name)
+            .field("semaphore", &self.claim.origin.name)
             .field("id", &self.id())
-            .field("weight", &self.member.weight)
+            .field("weight", &self.weight())
             .field("fencing_token", &self.token)
-            .field("released", &self.released)
+            .field("released", &!self.claim.armed)
             .finish()
     }
 }
 
 impl Permit {
-    pub(crate) fn new(
-        semaphore: Arc<Inner>,
-        member: Member,
-        token: u64,
-        lease: Arc<Lease>,
-    ) -> Self {
-        Permit {
-            semaphore,
-            member,
-            token,
-            lease,
-            released: false,
-        }
-    }
-
     /// Unique per acquisition (a random 128-bit id, hex), never reused.
     pub fn id(&self) -> &str {
-        self.member.id()
+        self.claim.member.id()
     }
 
     /// How many permits this guard holds.
     pub fn weight(&self) -> u32 {
-        self.member.weight
+        self.claim.member.weight
     }
 
     /// Strictly increasing per semaphore across all processes: a resource that remembers the
@@ -124,26 +182,12 @@ impl Permit {
     /// True for a permit handed out by the [`OutagePolicy`](crate::OutagePolicy) while the
     /// backend was down: it counts against this process's local limit only (or none).
     pub fn is_degraded(&self) -> bool {
-        self.semaphore.degraded
+        self.claim.origin.degraded
     }
 
     /// Gives the permit back now and reports whether the backend took it. Idempotent: after a
     /// success further calls do nothing; after an error, calling again (or dropping) retries.
     pub async fn release(&mut self) -> Result<(), Error> {
-        if !self.released {
-            self.semaphore.handle.release(&self.member).await?;
-            self.released = true;
-            self.semaphore.keeper.forget(&self.member.text);
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        if !self.released {
-            self.semaphore.keeper.forget(&self.member.text);
-            self.semaphore.handle.release_later(self.member.clone());
-        }
+        self.claim.release().await
     }
 }

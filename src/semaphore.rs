@@ -7,11 +7,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::backend::{Attempt, BATCH, Backend, Handle, KEEPALIVE, Member, Mode, Until};
-use crate::keeper::{Keeper, Lease};
+use crate::backend::{Attempt, Backend, Mode, Opened};
+use crate::keeper::Keeper;
 use crate::outage::OutagePolicy;
-use crate::permit::Permit;
-use crate::waitlist::Event;
+use crate::permit::{Claim, Origin, Permit};
+use crate::waitlist::{Waitlist, Wake};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -53,31 +53,37 @@ pub struct Semaphore {
     inner: Arc<Inner>,
 }
 
-pub(crate) struct Inner {
-    pub(crate) name: String,
-    limit: u32,
-    lease: Duration,
-    acquire_timeout: Duration,
-    max_waiters: usize,
-    pub(crate) handle: Arc<dyn Handle>,
-    pub(crate) keeper: Arc<Keeper>,
-    outage: OutagePolicy,
+struct Inner {
+    settings: Settings,
+    /// Where permits are released and who renews them.
+    origin: Arc<Origin>,
+    /// This process's waiters, to which grants are announced.
+    waitlist: Arc<Waitlist>,
     /// The in-process semaphore that admits requests while the backend is down (by the outage
     /// policy); `None` when failing closed.
     fallback: Option<Semaphore>,
     outage_decisions: AtomicU64,
-    /// This is a fallback: its permits are degraded.
-    pub(crate) degraded: bool,
+}
+
+/// A semaphore's settings, checked by [`SemaphoreBuilder::build`].
+struct Settings {
+    name: String,
+    limit: u32,
+    lease: Duration,
+    acquire_timeout: Duration,
+    max_waiters: usize,
+    outage: OutagePolicy,
 }
 
 impl std::fmt::Debug for Semaphore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let settings = &self.inner.settings;
         f.debug_struct("Semaphore")
-            .field("name", &self.inner.name)
-            .field("limit", &self.inner.limit)
-            .field("lease", &self.inner.lease)
-            .field("acquire_timeout", &self.inner.acquire_timeout)
-            .field("outage", &self.inner.outage)
+            .field("name", &settings.name)
+            .field("limit", &settings.limit)
+            .field("lease", &settings.lease)
+            .field("acquire_timeout", &settings.acquire_timeout)
+            .field("outage", &settings.outage)
             .finish_non_exhaustive()
     }
 }
@@ -193,12 +199,39 @@ impl SemaphoreBuilder {
                 )));
             }
             Some(local) => {
-                let settings = self.clone().on_outage(OutagePolicy::FailClosed);
-                let backend = crate::MemoryBackend::new();
-                Some(Semaphore::open(&settings, local, &backend, None, true))
+                let settings = Settings {
+                    name: self.name.clone(),
+                    limit: local,
+                    lease: self.lease,
+                    acquire_timeout: self.acquire_timeout,
+                    max_waiters: self.max_waiters,
+                    outage: OutagePolicy::FailClosed,
+                };
+                Some(Semaphore::open(
+                    settings,
+                    &crate::MemoryBackend::new(),
+                    None,
+                    true,
+                ))
             }
         };
-        Ok(Semaphore::open(&self, limit, &backend, fallback, false))
+        let settings = Settings {
+            name: self.name,
+            limit,
+            lease: self.lease,
+            acquire_timeout: self.acquire_timeout,
+            max_waiters: self.max_waiters,
+            outage: self.outage,
+        };
+        Ok(Semaphore::open(settings, &backend, fallback, false))
+    }
+
+    /// The same settings for another name (per-key semaphores of [`Partitions`]).
+    ///
+    /// [`Partitions`]: crate::Partitions
+    pub(crate) fn named(mut self, name: String) -> Self {
+        self.name = name;
+        self
     }
 }
 
@@ -216,28 +249,28 @@ impl Semaphore {
         }
     }
 
-    /// `degraded`: this is the in-process fallback of another semaphore.
+    /// Opens the semaphore on `backend`. `degraded`: this is the in-process fallback of
+    /// another semaphore, whose permits the outage policy hands out.
     fn open(
-        settings: &SemaphoreBuilder,
-        limit: u32,
+        settings: Settings,
         backend: &dyn Backend,
         fallback: Option<Semaphore>,
         degraded: bool,
     ) -> Semaphore {
-        let handle = backend.open(&settings.name, limit);
+        let Opened { store, waitlist } = backend.open(&settings.name, settings.limit);
+        let origin = Arc::new(Origin {
+            name: settings.name.clone(),
+            keeper: Keeper::new(store.clone(), settings.lease),
+            store,
+            degraded,
+        });
         Semaphore {
             inner: Arc::new(Inner {
-                name: settings.name.clone(),
-                limit,
-                lease: settings.lease,
-                acquire_timeout: settings.acquire_timeout,
-                max_waiters: settings.max_waiters,
-                keeper: Keeper::new(handle.clone(), settings.lease),
-                handle,
-                outage: settings.outage,
+                settings,
+                origin,
+                waitlist,
                 fallback,
                 outage_decisions: AtomicU64::new(0),
-                degraded,
             }),
         }
     }
@@ -250,17 +283,17 @@ impl Semaphore {
 
     /// The name shared by every process.
     pub fn name(&self) -> &str {
-        &self.inner.name
+        &self.inner.settings.name
     }
 
     /// How many permits may be out at once.
     pub fn limit(&self) -> u32 {
-        self.inner.limit
+        self.inner.settings.limit
     }
 
     /// How long a silent holder keeps its slot.
     pub fn lease(&self) -> Duration {
-        self.inner.lease
+        self.inner.settings.lease
     }
 
     /// Takes one permit, waiting up to the acquire timeout for one to come free.
@@ -281,9 +314,11 @@ impl Semaphore {
     /// semaphore's [`OutagePolicy`] says.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
         self.check_weight(weight)?;
-        let deadline = deadline_after(self.inner.acquire_timeout);
+        let deadline = deadline_after(self.inner.settings.acquire_timeout);
         match self.wait_for(weight, deadline).await {
-            Err(e @ Error::Backend(_)) => self.outage(e, weight, Some(deadline)).await,
+            Err(e @ Error::Backend(_)) => {
+                self.fallback(e, weight)?.wait_for(weight, deadline).await
+            }
             other => other,
         }
     }
@@ -301,75 +336,68 @@ impl Semaphore {
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
         self.check_weight(weight)?;
         match self.try_once(weight).await {
-            Err(e @ Error::Backend(_)) => match self.outage(e, weight, None).await {
-                Ok(permit) => Ok(Some(permit)),
-                Err(Error::Timeout { .. }) => Ok(None),
-                Err(e) => Err(e),
-            },
+            Err(e @ Error::Backend(_)) => self.fallback(e, weight)?.try_once(weight).await,
             other => other,
         }
     }
 
     async fn try_once(&self, weight: u32) -> Result<Option<Permit>, Error> {
-        let mut pending = Pending::new(&self.inner.handle, weight, self.inner.lease);
+        let claim = self.claim(weight);
         let sent = Instant::now();
         let attempt = self
             .inner
-            .handle
-            .acquire(&pending.member, Mode::Once, None)
+            .origin
+            .store
+            .acquire(claim.member(), Mode::Once, None)
             .await?;
         match attempt {
             Attempt::Granted { token, remaining } => {
-                Ok(Some(self.permit(pending, token, sent + remaining)))
+                Ok(Some(claim.into_permit(token, sent + remaining)))
             }
             Attempt::Full => {
-                pending.armed = false;
+                claim.disarm();
                 Ok(None)
             }
-            // Not asked for; the pending guard takes the member out of the line again.
+            // Not asked for; dropping the claim takes the member out of the line again.
             Attempt::Queued { .. } => Ok(None),
         }
     }
 
-    /// Decides a request the backend could not: by the outage policy, with the in-process
-    /// fallback semaphore (waiting up to `deadline`, or a single attempt).
-    async fn outage(
-        &self,
-        error: Error,
-        weight: u32,
-        deadline: Option<Instant>,
-    ) -> Result<Permit, Error> {
+    /// The backend failed: the outage policy decides. Every decision is counted and logged;
+    /// the in-process fallback semaphore admits the request, or the error stands.
+    fn fallback(&self, error: Error, weight: u32) -> Result<&Semaphore, Error> {
+        let settings = &self.inner.settings;
         self.inner.outage_decisions.fetch_add(1, Ordering::Relaxed);
         let Some(fallback) = self.inner.fallback.as_ref().filter(|f| weight <= f.limit()) else {
-            tracing::warn!(target: "tower_distributed_limit::outage", semaphore = %self.inner.name,
-                policy = ?self.inner.outage, error = %error, "backend failed: request refused");
+            tracing::warn!(target: "tower_distributed_limit::outage", semaphore = %settings.name,
+                policy = ?settings.outage, error = %error, "backend failed: request refused");
             return Err(error);
         };
-        tracing::warn!(target: "tower_distributed_limit::outage", semaphore = %self.inner.name,
-            policy = ?self.inner.outage, error = %error,
+        tracing::warn!(target: "tower_distributed_limit::outage", semaphore = %settings.name,
+            policy = ?settings.outage, error = %error,
             "backend failed: request admitted by the outage policy");
-        match deadline {
-            Some(deadline) => fallback.wait_for(weight, deadline).await,
-            None => fallback.try_once(weight).await?.ok_or(Error::Timeout {
-                waited: Duration::ZERO,
-            }),
-        }
+        Ok(fallback)
     }
 
     /// The limit minus the weight of live (unexpired) holders, across every process.
     pub async fn available_permits(&self) -> Result<u32, Error> {
-        let used = self.inner.handle.used().await?;
-        Ok(self.inner.limit.saturating_sub(used))
+        let used = self.inner.origin.store.used().await?;
+        Ok(self.inner.settings.limit.saturating_sub(used))
     }
 
     fn check_weight(&self, weight: u32) -> Result<(), Error> {
-        if weight == 0 || weight > self.inner.limit {
+        let settings = &self.inner.settings;
+        if weight == 0 || weight > settings.limit {
             return Err(Error::config(format!(
                 "cannot take {weight} permits of semaphore {:?}: the weight must be 1 ..= its limit {}",
-                self.inner.name, self.inner.limit
+                settings.name, settings.limit
             )));
         }
         Ok(())
+    }
+
+    fn claim(&self, weight: u32) -> Claim {
+        Claim::new(&self.inner.origin, weight, self.inner.settings.lease)
     }
 
     /// Waits for a permit until `deadline`. A grant that reached this process only after its
@@ -377,63 +405,62 @@ impl Semaphore {
     /// on while time remains.
     async fn wait_for(&self, weight: u32, deadline: Instant) -> Result<Permit, Error> {
         let started = Instant::now();
+        let timeout = || Error::Timeout {
+            waited: started.elapsed(),
+        };
         loop {
-            let permit = self.wait_once(weight, deadline, started).await?;
+            let permit = self
+                .wait_once(weight, deadline)
+                .await?
+                .ok_or_else(timeout)?;
             if !permit.is_lost() {
                 return Ok(permit);
             }
-            tracing::debug!(semaphore = %self.inner.name, token = permit.fencing_token(),
+            tracing::debug!(semaphore = %self.inner.settings.name, token = permit.fencing_token(),
                 "a grant arrived after its lease ended; queueing again");
             drop(permit);
             if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    waited: started.elapsed(),
-                });
+                return Err(timeout());
             }
         }
     }
 
-    /// One place in line: the first call grants at once or queues the waiter in the backend's
-    /// line; the grant is then announced to this process's waitlist, so waiting costs no
-    /// further round trip. The first call is bounded by the backend's call timeout, not by
-    /// `deadline`: a slow answer is not a full semaphore, and a failed one is an outage.
-    async fn wait_once(
-        &self,
-        weight: u32,
-        deadline: Instant,
-        started: Instant,
-    ) -> Result<Permit, Error> {
-        let timeout = || Error::Timeout {
-            waited: started.elapsed(),
-        };
-        let handle = &self.inner.handle;
-        let mut pending = Pending::new(handle, weight, self.inner.lease);
-        let registered = handle
-            .waitlist()
-            .register(pending.member.text.clone(), self.inner.max_waiters);
+    /// One place in line, `None` when the deadline passed: the first call grants at once or
+    /// queues the waiter in the backend's line; the grant is then announced to this process's
+    /// waitlist, so waiting costs no further round trip. The first call is bounded by the
+    /// backend's call timeout, not by `deadline`: a slow answer is not a full semaphore, and a
+    /// failed one is an outage.
+    async fn wait_once(&self, weight: u32, deadline: Instant) -> Result<Option<Permit>, Error> {
+        let store = &self.inner.origin.store;
+        let claim = self.claim(weight);
+        let registered = self
+            .inner
+            .waitlist
+            .register(claim.member().text.clone(), self.inner.settings.max_waiters);
         let ticket = match registered {
             Ok(ticket) => ticket,
             Err(waiting) => {
-                // Nothing was sent: nothing to take back.
-                pending.armed = false;
+                // Nothing was sent: nothing to give back.
+                claim.disarm();
                 return Err(Error::TooManyWaiters { waiting });
             }
         };
         let mut mode = Mode::Join;
         loop {
             let sent = Instant::now();
-            let call = handle.acquire(&pending.member, mode, Some(deadline));
+            let call = store.acquire(claim.member(), mode, Some(deadline));
             let attempt = if mode == Mode::Join {
                 call.await?
             } else {
-                tokio::time::timeout_at(deadline, call)
-                    .await
-                    .map_err(|_| timeout())??
+                match tokio::time::timeout_at(deadline, call).await {
+                    Ok(attempt) => attempt?,
+                    Err(_) => return Ok(None),
+                }
             };
             mode = Mode::Recheck;
-            let (mut refresh, clock) = match attempt {
+            let (retry_in, clock) = match attempt {
                 Attempt::Granted { token, remaining } => {
-                    return Ok(self.permit(pending, token, sent + remaining));
+                    return Ok(Some(claim.into_permit(token, sent + remaining)));
                 }
                 Attempt::Queued { retry_in, clock } => (retry_in, clock),
                 Attempt::Full => {
@@ -443,45 +470,15 @@ impl Semaphore {
                     ));
                 }
             };
-            ticket.queued();
-            loop {
-                let event = tokio::time::timeout_at(deadline, ticket.wait(refresh.min(KEEPALIVE)));
-                match event.await.map_err(|_| timeout())? {
-                    Event::Granted { token, until } => {
-                        let until = match until {
-                            Until::Server(us) => clock.local_time_of(us),
-                            Until::Local(until) => until,
-                        };
-                        return Ok(self.permit(pending, token, until));
-                    }
-                    // The backend dropped this waiter from its line: ask again.
-                    Event::Retry => break,
-                    Event::Touch => {
-                        let list = handle.waitlist();
-                        let members = list.queued_members();
-                        // Batches keep each script call short, however long the line.
-                        for batch in members.chunks(BATCH) {
-                            let sent = Instant::now();
-                            let touch =
-                                tokio::time::timeout_at(deadline, handle.touch(batch, deadline));
-                            let (statuses, retry_in) = touch.await.map_err(|_| timeout())??;
-                            list.apply(batch, &statuses, sent);
-                            refresh = retry_in;
-                        }
-                    }
-                }
+            match ticket
+                .wait_in_line(&**store, clock, retry_in, deadline)
+                .await?
+            {
+                Wake::Granted { token, until } => return Ok(Some(claim.into_permit(token, until))),
+                Wake::Forgotten => {}
+                Wake::TimedOut => return Ok(None),
             }
         }
-    }
-
-    fn permit(&self, mut pending: Pending<'_>, token: u64, deadline: Instant) -> Permit {
-        // A lease that already ended is lost at once: the keeper does not take it.
-        pending.armed = false;
-        let lease = Lease::new(deadline);
-        if !lease.is_lost() {
-            self.inner.keeper.keep(pending.member.text.clone(), &lease);
-        }
-        Permit::new(self.inner.clone(), pending.member.clone(), token, lease)
     }
 }
 
@@ -492,31 +489,4 @@ fn deadline_after(timeout: Duration) -> Instant {
     now.checked_add(timeout)
         .or_else(|| now.checked_add(CENTURY))
         .unwrap_or(now)
-}
-
-/// An acquisition under way: until it turns into a [`Permit`], dropping it (an error, a
-/// timeout, a cancelled future) takes the member out of the backend in the background, in
-/// case the backend holds or queues it.
-struct Pending<'a> {
-    handle: &'a Arc<dyn Handle>,
-    member: Member,
-    armed: bool,
-}
-
-impl<'a> Pending<'a> {
-    fn new(handle: &'a Arc<dyn Handle>, weight: u32, lease: Duration) -> Self {
-        Pending {
-            handle,
-            member: Member::new(weight, lease),
-            armed: true,
-        }
-    }
-}
-
-impl Drop for Pending<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.handle.release_later(self.member.clone());
-        }
-    }
 }

@@ -1,12 +1,16 @@
-//! The waiters of one process on one semaphore, and the grants announced to them.
+//! Waiting in line: this process's waiters on each semaphore, the grants announced to them,
+//! and the refresh of the line.
 //!
-//! The line itself lives in the backend (first come, first served across every process);
-//! when a waiter is admitted there, the backend announces the grant and [`Waitlist::grant`]
-//! hands it to the waiting task: no extra round trip, no polling. The oldest local waiter has
-//! one more duty: every [`KEEPALIVE`](crate::backend::KEEPALIVE), or when a lease is due to
-//! end, it refreshes all local waiters in one call and collects grants whose announcement was
-//! lost. A backend that announces over a subscription (Redis pub/sub) is asked to subscribe
-//! while the list has queued waiters, and to stop once it has been idle a while.
+//! The line itself lives in the backend (first come, first served across every process). A
+//! waiter registers a [`Ticket`] before its first call, so no announcement can beat it; when
+//! the backend admits it, the backend hands the grant to [`Waitlist::grant`] and the waiting
+//! task wakes: no extra round trip, no polling. The oldest local waiter has one more duty:
+//! every [`KEEPALIVE`], or when a lease is due to end, it refreshes all local waiters in one
+//! [`Refresh::touch`] and collects grants whose announcement was lost. A backend that announces
+//! over a subscription (Redis pub/sub) is asked to subscribe while the list has queued waiters,
+//! and to stop once it has been idle a while.
+//!
+//! This module knows no backend: backends implement [`Refresh`] and hand grants in.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -15,21 +19,57 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use crate::sync::lock;
+use crate::Error;
+use crate::sync::{BoxFuture, lock};
+
+/// How long a queued waiter stays in line without showing it still waits. A process's oldest
+/// waiter refreshes all of them every [`KEEPALIVE`]; a crashed process's waiters drop out of
+/// the line after this long.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(3);
+pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
+
+/// A grant to a waiter in the line is provisional: it lasts at most this long (and at most half
+/// its lease) until the waiter's process claims it by touching or renewing it, so a process
+/// that died or froze while waiting strands its slots for this long, not for a whole lease.
+pub(crate) const CLAIM: Duration = Duration::from_secs(3);
+
+/// A reading of the backend's clock: `server_us` (µs) was read no earlier than `local` by
+/// this process's clock. It turns a deadline on the backend's clock into a local instant that
+/// is never later than the backend's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ClockReading {
+    pub(crate) local: Instant,
+    pub(crate) server_us: u64,
+}
+
+impl ClockReading {
+    /// The local instant at which the backend's clock has surely not yet passed `server_us`:
+    /// the backend read `self.server_us` at or after `self.local`, so it reaches `server_us`
+    /// at or after `self.local + (server_us - self.server_us)`.
+    fn local_time_of(&self, server_us: u64) -> Instant {
+        match server_us.checked_sub(self.server_us) {
+            Some(ahead) => self.local + Duration::from_micros(ahead),
+            None => self
+                .local
+                .checked_sub(Duration::from_micros(self.server_us - server_us))
+                .unwrap_or(self.local),
+        }
+    }
+}
 
 /// When a grant's lease ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Until {
+pub(crate) enum Until {
     /// On the backend's clock (µs), as an announcement says; the waiter converts it with the
-    /// clock reading (`ClockReading`) of its own call.
+    /// [`ClockReading`] of its own call.
     Server(u64),
     /// Already converted to this process's clock.
     Local(Instant),
 }
 
-/// A queued member's state, as a backend's refresh (`Handle::touch`) finds it.
+/// A queued member's state, as [`Refresh::touch`] finds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Status {
+pub(crate) enum Status {
     /// It holds (and is now claimed for a full lease): `remaining` counts from the backend's
     /// clock read at or after the touch was sent.
     Granted {
@@ -37,8 +77,30 @@ pub enum Status {
         remaining: Duration,
     },
     Queued,
-    /// Neither holding nor waiting: it was dropped from the queue (it stopped answering).
+    /// Neither holding nor waiting: it was dropped from the line (it stopped answering).
     Unknown,
+}
+
+/// The one call waiting needs from a backend: keep `members` in line, claim those that were
+/// granted, and say each one's state, plus when the earliest lease ends. A backend that is
+/// loading or busy is asked again until `until`.
+pub(crate) trait Refresh: Send + Sync {
+    fn touch<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+        until: Instant,
+    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>>;
+}
+
+/// How a wait in line ended.
+#[derive(Debug)]
+pub(crate) enum Wake {
+    /// Admitted; the lease ends at `until` by this process's clock (perhaps already).
+    Granted { token: u64, until: Instant },
+    /// The backend dropped this waiter from its line: ask again.
+    Forgotten,
+    /// The deadline passed first.
+    TimedOut,
 }
 
 /// Sends a waitlist that needs a subscription to the backend's subscriber task.
@@ -152,7 +214,7 @@ struct Entry {
 
 /// What a waiting task is told.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Event {
+enum Event {
     /// The backend admitted this waiter, until its lease ends.
     Granted { token: u64, until: Until },
     /// The backend no longer knows this waiter (it stopped answering in time): ask again.
@@ -272,8 +334,8 @@ impl Waitlist {
         false
     }
 
-    /// The members waiting in the backend's line, for one batched refresh.
-    pub(crate) fn queued_members(&self) -> Vec<Arc<str>> {
+    /// The members waiting in the backend's line, for one refresh.
+    fn queued_members(&self) -> Vec<Arc<str>> {
         self.state()
             .entries
             .values()
@@ -284,7 +346,7 @@ impl Waitlist {
 
     /// Applies what a refresh sent at `sent` found: grants to deliver, forgotten waiters to
     /// retry.
-    pub(crate) fn apply(&self, members: &[Arc<str>], statuses: &[Status], sent: Instant) {
+    fn apply(&self, members: &[Arc<str>], statuses: &[Status], sent: Instant) {
         let mut state = self.state();
         for (member, status) in members.iter().zip(statuses) {
             match *status {
@@ -321,8 +383,48 @@ pub(crate) struct Ticket {
 }
 
 impl Ticket {
+    /// Waits in line after the call that queued this waiter answered, with that call's clock
+    /// reading and the time until the earliest lease ends (`refresh`). While this is the
+    /// oldest queued waiter it also refreshes the whole line through `line`.
+    pub(crate) async fn wait_in_line(
+        &self,
+        line: &dyn Refresh,
+        clock: ClockReading,
+        mut refresh: Duration,
+        deadline: Instant,
+    ) -> Result<Wake, Error> {
+        self.queued();
+        loop {
+            let event = tokio::time::timeout_at(deadline, self.next(refresh.min(KEEPALIVE)));
+            let Ok(event) = event.await else {
+                return Ok(Wake::TimedOut);
+            };
+            match event {
+                Event::Granted { token, until } => {
+                    let until = match until {
+                        Until::Server(us) => clock.local_time_of(us),
+                        Until::Local(until) => until,
+                    };
+                    return Ok(Wake::Granted { token, until });
+                }
+                Event::Retry => return Ok(Wake::Forgotten),
+                Event::Touch => {
+                    let members = self.list.queued_members();
+                    let sent = Instant::now();
+                    let touch = tokio::time::timeout_at(deadline, line.touch(&members, deadline));
+                    let Ok(touched) = touch.await else {
+                        return Ok(Wake::TimedOut);
+                    };
+                    let (statuses, retry_in) = touched?;
+                    self.list.apply(&members, &statuses, sent);
+                    refresh = retry_in;
+                }
+            }
+        }
+    }
+
     /// The attempt queued this waiter in the backend: listen for its grant.
-    pub(crate) fn queued(&self) {
+    fn queued(&self) {
         let mut state = self.list.state();
         if let Some(entry) = state.entries.get_mut(&self.seq) {
             entry.queued = true;
@@ -332,7 +434,7 @@ impl Ticket {
 
     /// Waits for this waiter's next event. While it is the oldest queued waiter it also gets
     /// [`Event::Touch`] after `refresh`, or at once when the line needs checking.
-    pub(crate) async fn wait(&self, refresh: Duration) -> Event {
+    async fn next(&self, refresh: Duration) -> Event {
         let timer = Instant::now() + refresh;
         loop {
             let duty = {

@@ -8,10 +8,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{Attempt, BoxFuture, ClockReading, Handle, Member, Mode, Status, Until, sealed::Open};
+use super::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
-use crate::sync::lock;
-use crate::waitlist::{Hub, Waitlist};
+use crate::sync::{BoxFuture, lock};
+use crate::waitlist::{ClockReading, Hub, KEEPALIVE, Refresh, Status, Until, Waitlist};
 
 /// An in-process backend with the same semantics as [`RedisBackend`](crate::RedisBackend):
 /// leases expire, weights add up, fencing tokens strictly increase, waiters are served in
@@ -78,7 +78,8 @@ struct State {
 /// One semaphore's holders and line; removed from the map when both are empty.
 #[derive(Default)]
 struct Permits {
-    holders: HashMap<Arc<str>, (Instant, u32)>,
+    /// Member → (lease deadline, weight, lease).
+    holders: HashMap<Arc<str>, (Instant, u32, Duration)>,
     used: u32,
     /// The line, by arrival; `queued` finds a member in it without a scan.
     queue: BTreeMap<u64, Member>,
@@ -92,8 +93,10 @@ type Grant = (Arc<str>, u64, Instant);
 
 impl Permits {
     fn hold(&mut self, member: &Member, now: Instant, fence: &mut u64) -> u64 {
-        self.holders
-            .insert(member.text.clone(), (now + member.lease, member.weight));
+        self.holders.insert(
+            member.text.clone(),
+            (now + member.lease, member.weight, member.lease),
+        );
         self.used += member.weight;
         *fence += 1;
         *fence
@@ -102,7 +105,7 @@ impl Permits {
     /// Drops expired holders, then admits waiters in order while the oldest fits.
     fn settle(&mut self, now: Instant, limit: u32, fence: &mut u64, grants: &mut Vec<Grant>) {
         let mut freed = 0;
-        self.holders.retain(|_, (deadline, weight)| {
+        self.holders.retain(|_, (deadline, weight, _)| {
             let live = *deadline > now;
             if !live {
                 freed += *weight;
@@ -123,16 +126,15 @@ impl Permits {
 
     /// Pushes a holder's deadline to a full lease from now; `None` if it no longer holds.
     fn extend(&mut self, member: &str, now: Instant) -> Option<Duration> {
-        let (deadline, _) = self.holders.get_mut(member)?;
-        let lease = Member::lease_of(member)?;
-        *deadline = (*deadline).max(now + lease);
+        let (deadline, _, lease) = self.holders.get_mut(member)?;
+        *deadline = (*deadline).max(now + *lease);
         Some(deadline.saturating_duration_since(now))
     }
 
     fn retry_in(&self, now: Instant, fallback: Duration) -> Duration {
         self.holders
             .values()
-            .map(|(deadline, _)| deadline.saturating_duration_since(now))
+            .map(|(deadline, ..)| deadline.saturating_duration_since(now))
             .min()
             .unwrap_or(fallback)
     }
@@ -161,13 +163,17 @@ impl MemoryBackend {
 }
 
 impl Open for MemoryBackend {
-    fn open(&self, name: &str, limit: u32) -> Arc<dyn Handle> {
-        Arc::new(MemorySemaphore {
-            shared: self.shared.clone(),
-            name: name.into(),
-            limit,
-            waitlist: self.shared.hub.waitlist(name),
-        })
+    fn open(&self, name: &str, limit: u32) -> Opened {
+        let waitlist = self.shared.hub.waitlist(name);
+        Opened {
+            store: Arc::new(MemorySemaphore {
+                shared: self.shared.clone(),
+                name: name.into(),
+                limit,
+                waitlist: waitlist.clone(),
+            }),
+            waitlist,
+        }
     }
 }
 
@@ -207,7 +213,7 @@ impl MemorySemaphore {
     }
 }
 
-impl Handle for MemorySemaphore {
+impl Store for MemorySemaphore {
     fn acquire<'a>(
         &'a self,
         member: &'a Member,
@@ -256,7 +262,7 @@ impl Handle for MemorySemaphore {
 
     fn release_later(&self, member: Member) {
         self.with(|permits, _, _| {
-            if let Some((_, weight)) = permits.holders.remove(&member.text) {
+            if let Some((_, weight, _)) = permits.holders.remove(&member.text) {
                 permits.used -= weight;
             } else if let Some(arrival) = permits.queued.remove(&member.text) {
                 permits.queue.remove(&arrival);
@@ -264,29 +270,14 @@ impl Handle for MemorySemaphore {
         });
     }
 
-    fn touch<'a>(
-        &'a self,
-        members: &'a [Arc<str>],
-        _until: Instant,
-    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
-        let found = self.with(|permits, now, fence| {
-            let statuses = members
-                .iter()
-                .map(|member| permits.status(member, now, fence))
-                .collect();
-            (statuses, permits.retry_in(now, super::KEEPALIVE))
-        });
-        Box::pin(async move { Ok(found) })
-    }
-
     fn renew<'a>(
         &'a self,
-        members: &'a [Arc<str>],
+        members: &'a [Member],
     ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>> {
         let renewed = self.with(|permits, now, _| {
             members
                 .iter()
-                .map(|member| permits.extend(member, now))
+                .map(|member| permits.extend(&member.text, now))
                 .collect()
         });
         Box::pin(async move { Ok(renewed) })
@@ -300,8 +291,21 @@ impl Handle for MemorySemaphore {
     fn reconnects(&self) -> Option<watch::Receiver<u64>> {
         None
     }
+}
 
-    fn waitlist(&self) -> &Arc<Waitlist> {
-        &self.waitlist
+impl Refresh for MemorySemaphore {
+    fn touch<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+        _until: Instant,
+    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
+        let found = self.with(|permits, now, fence| {
+            let statuses = members
+                .iter()
+                .map(|member| permits.status(member, now, fence))
+                .collect();
+            (statuses, permits.retry_in(now, KEEPALIVE))
+        });
+        Box::pin(async move { Ok(found) })
     }
 }

@@ -1,8 +1,10 @@
-//! Where the permits live. The semaphore sees one [`Handle`] per semaphore name and never knows
-//! which backend is behind it.
+//! Where the permits live. The semaphore sees one [`Store`] per semaphore name, plus the
+//! [`Waitlist`] its grants are announced to, and never knows which backend is behind them.
+//!
+//! A new backend is one file here: implement [`sealed::Open`] and [`Store`] (and
+//! [`Refresh`], the touch that waiting needs), then list it below.
 
-use std::future::Future;
-use std::pin::Pin;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,16 +12,14 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::waitlist::Waitlist;
-pub use crate::waitlist::{Status, Until};
+use crate::sync::BoxFuture;
+use crate::waitlist::{ClockReading, Refresh, Waitlist};
 
 mod memory;
 mod redis;
 
 pub use self::memory::MemoryBackend;
 pub use self::redis::{RedisBackend, RedisBackendBuilder};
-
-pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A store of distributed permits: [`RedisBackend`] across processes and machines,
 /// [`MemoryBackend`] within one process. Pass one to
@@ -44,26 +44,35 @@ impl Backend for MemoryBackend {}
 impl Backend for RedisBackend {}
 
 pub(crate) mod sealed {
-    use std::sync::Arc;
-
     /// Opens the permits of one semaphore name with its limit.
     pub trait Open {
-        fn open(&self, name: &str, limit: u32) -> Arc<dyn super::Handle>;
+        fn open(&self, name: &str, limit: u32) -> super::Opened;
     }
 }
 
-/// One acquisition's identity in a backend: `"<random id>:<weight>:<lease ms>"`, so any process
-/// that admits it from the queue knows its weight and lease.
-#[derive(Clone, Debug)]
-pub struct Member {
-    pub text: Arc<str>,
-    pub weight: u32,
-    pub lease: Duration,
+/// One semaphore opened on a backend: its permits, and the waitlist the backend announces its
+/// grants to (shared by every semaphore of that name on the backend). Public only in name, so
+/// the sealed trait can return it; nothing outside the crate can reach it.
+pub struct Opened {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) waitlist: Arc<Waitlist>,
 }
+
+/// One acquisition's identity in a backend: `"<random id>:<weight>:<lease ms>"`, so any process
+/// that admits it from the line knows its weight and lease. Equal when the text is.
+#[derive(Clone, Debug)]
+pub(crate) struct Member {
+    pub(crate) text: Arc<str>,
+    pub(crate) weight: u32,
+    pub(crate) lease: Duration,
+}
+
+/// The random id's length: 128 bits in hex.
+const ID_LEN: usize = 32;
 
 impl Member {
     /// A fresh holder id, never reused.
-    pub fn new(weight: u32, lease: Duration) -> Self {
+    pub(crate) fn new(weight: u32, lease: Duration) -> Self {
         Member {
             text: format!("{:032x}:{weight}:{}", fastrand::u128(..), lease.as_millis()).into(),
             weight,
@@ -72,67 +81,40 @@ impl Member {
     }
 
     /// The random id alone.
-    pub fn id(&self) -> &str {
-        self.text.split(':').next().unwrap_or_default()
+    pub(crate) fn id(&self) -> &str {
+        &self.text[..ID_LEN]
     }
+}
 
-    /// The lease written into a member's text.
-    pub fn lease_of(text: &str) -> Option<Duration> {
-        let millis = text.rsplit(':').next()?.parse().ok()?;
-        Some(Duration::from_millis(millis))
+impl PartialEq for Member {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Member {}
+
+impl Hash for Member {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.text.hash(state);
     }
 }
 
 /// How an acquire call may treat its member.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// One attempt: grant if it fits and nobody waits, else [`Attempt::Full`].
     Once,
     /// Grant, or join the line. The member is new to the backend, so no lookup is needed.
     Join,
-    /// The member may already hold or wait (a retry, or the backend dropped it from the line):
-    /// look it up first, then grant or join the line again.
+    /// The member may already hold or wait (a repeat, or the backend dropped it from the
+    /// line): look it up first, then grant or join the line again.
     Recheck,
-}
-
-impl Mode {
-    /// The word the Redis script takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Once => "once",
-            Mode::Join => "join",
-            Mode::Recheck => "recheck",
-        }
-    }
-}
-
-/// A reading of the backend's clock: `server_us` (µs) was read no earlier than `local` by
-/// this process's clock. It turns a deadline on the backend's clock into a local instant that
-/// is never later than the backend's own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ClockReading {
-    pub local: Instant,
-    pub server_us: u64,
-}
-
-impl ClockReading {
-    /// The local instant at which the backend's clock has surely not yet passed `server_us`:
-    /// the backend read `self.server_us` at or after `self.local`, so it reaches `server_us`
-    /// at or after `self.local + (server_us - self.server_us)`.
-    pub fn local_time_of(&self, server_us: u64) -> Instant {
-        match server_us.checked_sub(self.server_us) {
-            Some(ahead) => self.local + Duration::from_micros(ahead),
-            None => self
-                .local
-                .checked_sub(Duration::from_micros(self.server_us - server_us))
-                .unwrap_or(self.local),
-        }
-    }
 }
 
 /// What one acquire call found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Attempt {
+pub(crate) enum Attempt {
     /// The holder was added with this fencing token; its lease ends `remaining` after the
     /// backend's clock read at or after the call was sent.
     Granted { token: u64, remaining: Duration },
@@ -146,22 +128,8 @@ pub enum Attempt {
     Full,
 }
 
-/// The most members one call renews or refreshes, so a long list never blocks Redis for long.
-pub const BATCH: usize = 1000;
-
-/// How long a queued waiter stays in line without showing it still waits. A process's oldest
-/// waiter refreshes all of them every [`KEEPALIVE`]; a crashed process's waiters drop out of
-/// the line after this long.
-pub const PATIENCE: Duration = Duration::from_secs(3);
-pub const KEEPALIVE: Duration = Duration::from_secs(1);
-
-/// A grant to a waiter in the line is provisional: it lasts at most this long (and at most half
-/// its lease) until the waiter's process claims it by touching or renewing it, so a process
-/// that died or froze while waiting strands its slots for this long, not for a whole lease.
-pub const CLAIM: Duration = Duration::from_secs(3);
-
 /// The permits of one semaphore in one backend.
-pub trait Handle: Send + Sync + 'static {
+pub(crate) trait Store: Refresh + Send + Sync + 'static {
     /// Adds `member` as a holder if it fits and nobody waits; otherwise queues it or
     /// answers [`Attempt::Full`], as `mode` says. A backend that is loading or busy is asked
     /// again until `until` (or its call timeout when `None`).
@@ -179,20 +147,12 @@ pub trait Handle: Send + Sync + 'static {
     /// next call to the backend (a flush task makes sure there is one soon).
     fn release_later(&self, member: Member);
 
-    /// Keeps queued `members` in line, claims those that were granted, and reports each one's
-    /// state, plus when the earliest lease ends.
-    fn touch<'a>(
-        &'a self,
-        members: &'a [Arc<str>],
-        until: Instant,
-    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>>;
-
     /// Extends the leases of `members` that still hold to a full lease; for each, the time left
     /// (from the backend's clock read at or after the call was sent), or `None` for those that
     /// no longer hold (they are never added back).
     fn renew<'a>(
         &'a self,
-        members: &'a [Arc<str>],
+        members: &'a [Member],
     ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>>;
 
     /// Ticks each time the connection to the backend was lost: holders renew at once, so a
@@ -202,7 +162,4 @@ pub trait Handle: Send + Sync + 'static {
 
     /// The weight held by live (unexpired) holders.
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>>;
-
-    /// This process's waiters on this semaphore, to which grants are announced.
-    fn waitlist(&self) -> &Arc<Waitlist>;
 }

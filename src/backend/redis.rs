@@ -19,19 +19,19 @@ use redis::{
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use super::{
-    Attempt, BoxFuture, CLAIM, ClockReading, Handle, Member, Mode, PATIENCE, Status, Until,
-    sealed::Open,
-};
+use super::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
-use crate::sync::lock;
-use crate::waitlist::{Hub, Waitlist};
+use crate::sync::{BoxFuture, lock};
+use crate::waitlist::{CLAIM, ClockReading, Hub, PATIENCE, Refresh, Status, Until, Waitlist};
 
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/semaphore.lua")));
 
 /// How long a channel stays subscribed after its last local waiter left, so a semaphore that
 /// is full on and off does not subscribe and unsubscribe on every wait.
 const LINGER: Duration = Duration::from_secs(2);
+
+/// The most members one call renews or refreshes, so a long list never blocks Redis for long.
+const BATCH: usize = 1000;
 
 /// The `tracing` target of the one `trace!` event emitted per command sent to Redis, for
 /// counting round trips.
@@ -298,18 +298,20 @@ async fn subscriber(
 }
 
 impl Open for RedisBackend {
-    fn open(&self, name: &str, limit: u32) -> Arc<dyn Handle> {
+    fn open(&self, name: &str, limit: u32) -> Opened {
         let base = format!("{}{}", self.prefix, hash_tag(name));
         let channel = format!("{base}:granted");
-        Arc::new_cyclic(|me| RedisSemaphore {
+        // Grants reach the waitlist through the hub, by channel.
+        let waitlist = self.shared.hub.waitlist(&channel);
+        let store = Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
             shared: self.shared.clone(),
             keys: ["holders", "meta", "queue", "alive"].map(|key| format!("{base}:{key}")),
             limit,
-            waitlist: self.shared.hub.waitlist(&channel),
             channel,
             unsent: Mutex::default(),
-        })
+        });
+        Opened { store, waitlist }
     }
 }
 
@@ -338,7 +340,6 @@ struct RedisSemaphore {
     keys: [String; 4],
     channel: String,
     limit: u32,
-    waitlist: Arc<Waitlist>,
     unsent: Mutex<Unsent>,
 }
 
@@ -494,7 +495,16 @@ impl Drop for Carried<'_> {
     }
 }
 
-impl Handle for RedisSemaphore {
+/// The word the script takes for each mode.
+fn mode_word(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Once => "once",
+        Mode::Join => "join",
+        Mode::Recheck => "recheck",
+    }
+}
+
+impl Store for RedisSemaphore {
     fn acquire<'a>(
         &'a self,
         member: &'a Member,
@@ -510,7 +520,7 @@ impl Handle for RedisSemaphore {
                     } else {
                         mode
                     };
-                    script.arg(&*member.text).arg(mode.as_str());
+                    script.arg(&*member.text).arg(mode_word(mode));
                 })
                 .await?;
             match integers(&reply).as_deref() {
@@ -545,59 +555,29 @@ impl Handle for RedisSemaphore {
         self.schedule_flush();
     }
 
-    fn touch<'a>(
-        &'a self,
-        members: &'a [Arc<str>],
-        until: Instant,
-    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
-        Box::pin(async move {
-            let reply = self
-                .run("touch", None, Some(until), |script, _| {
-                    for member in members {
-                        script.arg(&**member);
-                    }
-                })
-                .await?;
-            let numbers = integers(&reply).ok_or_else(|| unexpected(&reply))?;
-            let Some((&retry_ms, rest)) = numbers.split_first() else {
-                return Err(unexpected(&reply));
-            };
-            if rest.len() != members.len() * 3 {
-                return Err(unexpected(&reply));
-            }
-            let statuses = rest
-                .chunks_exact(3)
-                .map(|status| match *status {
-                    [1, token, left_us] => match (token_of(token), micros(left_us)) {
-                        (Some(token), Some(remaining)) => Status::Granted { token, remaining },
-                        _ => Status::Unknown,
-                    },
-                    [2, ..] => Status::Queued,
-                    _ => Status::Unknown,
-                })
-                .collect();
-            Ok((statuses, millis(retry_ms)))
-        })
-    }
-
     fn renew<'a>(
         &'a self,
-        members: &'a [Arc<str>],
+        members: &'a [Member],
     ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>> {
         Box::pin(async move {
-            let reply = self
-                .run("renew", None, None, |script, _| {
-                    for member in members {
-                        script.arg(&**member);
+            let mut renewed = Vec::with_capacity(members.len());
+            // Batches keep each script call short, however many permits this process holds.
+            for batch in members.chunks(BATCH) {
+                let reply = self
+                    .run("renew", None, None, |script, _| {
+                        for member in batch {
+                            script.arg(&*member.text);
+                        }
+                    })
+                    .await?;
+                match integers(&reply) {
+                    Some(left) if left.len() == batch.len() => {
+                        renewed.extend(left.into_iter().map(micros));
                     }
-                })
-                .await?;
-            match integers(&reply) {
-                Some(left) if left.len() == members.len() => {
-                    Ok(left.into_iter().map(micros).collect())
+                    _ => return Err(unexpected(&reply)),
                 }
-                _ => Err(unexpected(&reply)),
             }
+            Ok(renewed)
         })
     }
 
@@ -613,9 +593,44 @@ impl Handle for RedisSemaphore {
     fn reconnects(&self) -> Option<watch::Receiver<u64>> {
         Some(self.shared.reconnects.subscribe())
     }
+}
 
-    fn waitlist(&self) -> &Arc<Waitlist> {
-        &self.waitlist
+impl Refresh for RedisSemaphore {
+    fn touch<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+        until: Instant,
+    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
+        Box::pin(async move {
+            let mut statuses = Vec::with_capacity(members.len());
+            let mut retry_in = PATIENCE;
+            for batch in members.chunks(BATCH) {
+                let reply = self
+                    .run("touch", None, Some(until), |script, _| {
+                        for member in batch {
+                            script.arg(&**member);
+                        }
+                    })
+                    .await?;
+                let numbers = integers(&reply).ok_or_else(|| unexpected(&reply))?;
+                let Some((&retry_ms, rest)) = numbers.split_first() else {
+                    return Err(unexpected(&reply));
+                };
+                if rest.len() != batch.len() * 3 {
+                    return Err(unexpected(&reply));
+                }
+                statuses.extend(rest.chunks_exact(3).map(|status| match *status {
+                    [1, token, left_us] => match (token_of(token), micros(left_us)) {
+                        (Some(token), Some(remaining)) => Status::Granted { token, remaining },
+                        _ => Status::Unknown,
+                    },
+                    [2, ..] => Status::Queued,
+                    _ => Status::Unknown,
+                }));
+                retry_in = millis(retry_ms);
+            }
+            Ok((statuses, retry_in))
+        })
     }
 }
 

@@ -73,14 +73,12 @@ struct Inner {
     base: String,
     key: Box<KeyFn>,
     limit: Box<LimitFn>,
-    lease: Option<Duration>,
-    acquire_timeout: Option<Duration>,
-    max_waiters: Option<usize>,
-    outage: OutagePolicy,
+    /// Every key's semaphore is built from these settings, under its own name and limit.
+    template: SemaphoreBuilder,
     build: Box<BuildFn>,
     max_key_len: usize,
     without_key: WithoutKey,
-    cache: Mutex<Clock>,
+    cache: Mutex<KeyCache>,
 }
 
 impl std::fmt::Debug for Partitions {
@@ -101,10 +99,7 @@ pub struct PartitionsBuilder {
     base: String,
     key: Option<Box<KeyFn>>,
     limit: Option<Box<LimitFn>>,
-    lease: Option<Duration>,
-    acquire_timeout: Option<Duration>,
-    max_waiters: Option<usize>,
-    outage: OutagePolicy,
+    template: SemaphoreBuilder,
     capacity: usize,
     max_key_len: usize,
     without_key: WithoutKey,
@@ -156,26 +151,26 @@ impl PartitionsBuilder {
 
     /// The lease of every key's semaphore (default: [`SemaphoreBuilder::lease`]'s).
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(lease);
+        self.template = self.template.lease(lease);
         self
     }
 
     /// The acquire timeout of every key's semaphore (default:
     /// [`SemaphoreBuilder::acquire_timeout`]'s).
     pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
-        self.acquire_timeout = Some(timeout);
+        self.template = self.template.acquire_timeout(timeout);
         self
     }
 
     /// Each key's [`SemaphoreBuilder::max_waiters`].
     pub fn max_waiters(mut self, max: usize) -> Self {
-        self.max_waiters = Some(max);
+        self.template = self.template.max_waiters(max);
         self
     }
 
     /// Each key's [`SemaphoreBuilder::on_outage`]: what to do when the backend is down.
     pub fn on_outage(mut self, policy: OutagePolicy) -> Self {
-        self.outage = policy;
+        self.template = self.template.on_outage(policy);
         self
     }
 
@@ -225,14 +220,11 @@ impl PartitionsBuilder {
                 base,
                 key,
                 limit,
-                lease: self.lease,
-                acquire_timeout: self.acquire_timeout,
-                max_waiters: self.max_waiters,
-                outage: self.outage,
+                template: self.template,
                 build,
                 max_key_len: self.max_key_len,
                 without_key: self.without_key,
-                cache: Mutex::new(Clock::new(self.capacity)),
+                cache: Mutex::new(KeyCache::new(self.capacity)),
             }),
         };
         // Let the semaphore builder check the name, lease and timeout now rather than per request.
@@ -244,14 +236,12 @@ impl PartitionsBuilder {
 impl Partitions {
     /// Starts the settings of partitions whose semaphores are named `"{base_name}:{key}"`.
     pub fn builder(base_name: impl Into<String>) -> PartitionsBuilder {
+        let base = base_name.into();
         PartitionsBuilder {
-            base: base_name.into(),
+            template: Semaphore::builder(base.clone()),
+            base,
             key: None,
             limit: None,
-            lease: None,
-            acquire_timeout: None,
-            max_waiters: None,
-            outage: OutagePolicy::FailClosed,
             capacity: DEFAULT_CAPACITY,
             max_key_len: DEFAULT_MAX_KEY_LEN,
             without_key: WithoutKey::Reject,
@@ -295,19 +285,7 @@ impl Partitions {
     }
 
     fn settings(&self, name: String, limit: u32) -> SemaphoreBuilder {
-        let mut builder = Semaphore::builder(name)
-            .limit(limit)
-            .on_outage(self.inner.outage);
-        if let Some(max) = self.inner.max_waiters {
-            builder = builder.max_waiters(max);
-        }
-        if let Some(lease) = self.inner.lease {
-            builder = builder.lease(lease);
-        }
-        if let Some(timeout) = self.inner.acquire_timeout {
-            builder = builder.acquire_timeout(timeout);
-        }
-        builder
+        self.inner.template.clone().named(name).limit(limit)
     }
 
     /// The semaphore a request counts against.
@@ -333,7 +311,7 @@ impl Partitions {
 
 /// A bounded map with second-chance (CLOCK) eviction: an approximation of least recently used
 /// with O(1) hits and amortised O(1) misses.
-struct Clock {
+struct KeyCache {
     index: HashMap<Arc<str>, usize>,
     slots: Vec<Slot>,
     hand: usize,
@@ -346,9 +324,9 @@ struct Slot {
     referenced: bool,
 }
 
-impl Clock {
+impl KeyCache {
     fn new(capacity: usize) -> Self {
-        Clock {
+        KeyCache {
             index: HashMap::new(),
             slots: Vec::new(),
             hand: 0,
@@ -409,7 +387,7 @@ mod tests {
 
     #[test]
     fn clock_stays_bounded_and_spares_recent_keys() {
-        let mut clock = Clock::new(3);
+        let mut clock = KeyCache::new(3);
         for key in ["a", "b", "c"] {
             clock.insert(key.into(), sem(key));
         }
