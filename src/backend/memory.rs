@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::{Attempt, Member, Mode, Opened, Store, sealed::Open};
+use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Hub, KEEPALIVE, Refresh, Status, Until, Waitlist};

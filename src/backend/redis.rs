@@ -19,7 +19,7 @@ use redis::{
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use super::{Attempt, Member, Mode, Opened, Store, sealed::Open};
+use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{CLAIM, ClockReading, Hub, PATIENCE, Refresh, Status, Until, Waitlist};

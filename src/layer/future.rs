@@ -12,8 +12,8 @@ use tower::{BoxError, Service};
 
 use super::body::ResponseBody;
 use super::http::HttpSettings;
-use super::service::ErrorStyle;
-use super::{Acquire, FencingToken, Refusal};
+use super::limiter::{Acquire, FencingToken};
+use super::refusal::{ErrorStyle, Refusal};
 use crate::Permit;
 
 /// How a [`Limited`] future ended without a response.

@@ -6,8 +6,8 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
-use super::Refusal;
 use super::body::ResponseBody;
+use super::refusal::Refusal;
 use crate::Error;
 
 const DEFAULT_BODY: &str = "the service is at its concurrency limit; retry later\n";

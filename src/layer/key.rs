@@ -8,7 +8,7 @@ use std::time::Duration;
 use http::HeaderName;
 use http::request::Parts;
 
-use super::Refusal;
+use super::refusal::Refusal;
 use crate::sync::lock;
 use crate::{Backend, Error, OutagePolicy, Semaphore, SemaphoreBuilder};
 

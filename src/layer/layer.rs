@@ -8,8 +8,10 @@ use http::StatusCode;
 use tower::Layer;
 
 use super::http::HttpSettings;
-use super::service::ErrorStyle;
-use super::{DistributedConcurrencyLimit, HttpConcurrencyLimit, Limiter, Partitions, Source};
+use super::key::Partitions;
+use super::limiter::{Limiter, Source};
+use super::refusal::ErrorStyle;
+use super::service::{DistributedConcurrencyLimit, HttpConcurrencyLimit};
 use crate::Semaphore;
 
 /// Caps how many requests are in flight at once across every process that shares the

@@ -8,44 +8,8 @@ use tower::{BoxError, Service};
 
 use super::future::{HttpResponseFuture, Limited, ResponseFuture};
 use super::http::HttpSettings;
-use super::{Limiter, Refusal};
-
-/// How the generic flavour reports a refusal.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum ErrorStyle {
-    /// The crate's [`Error`](crate::Error), boxed.
-    Error,
-    /// A `tonic::Status` whose source is the crate's error.
-    #[cfg(feature = "tonic")]
-    Status,
-}
-
-impl ErrorStyle {
-    pub(crate) fn to_box_error(self, refusal: Refusal) -> BoxError {
-        match self {
-            ErrorStyle::Error => Box::new(refusal.into_error()),
-            #[cfg(feature = "tonic")]
-            ErrorStyle::Status => Box::new(status(refusal)),
-        }
-    }
-}
-
-/// A full semaphore is `RESOURCE_EXHAUSTED`; a failing backend `UNAVAILABLE` (both worth a
-/// retry later); a bad partition key `INVALID_ARGUMENT`.
-#[cfg(feature = "tonic")]
-fn status(refusal: Refusal) -> tonic::Status {
-    use tonic::{Code, Status};
-
-    let code = match &refusal {
-        Refusal::BadKey(_) => Code::InvalidArgument,
-        Refusal::Busy(crate::Error::Timeout { .. }) => Code::ResourceExhausted,
-        Refusal::Busy(_) => Code::Unavailable,
-    };
-    let error = refusal.into_error();
-    let mut status = Status::new(code, error.to_string());
-    status.set_source(Arc::new(error));
-    status
-}
+use super::limiter::Limiter;
+use super::refusal::ErrorStyle;
 
 /// Picks the request's semaphore and moves the ready inner service into the future, leaving a
 /// fresh clone behind for the next `poll_ready` (tower's `AsyncFilter` pattern).

@@ -1,0 +1,135 @@
+//! What every backend implements, and the vocabulary of its calls: one semaphore's [`Store`],
+//! the [`Member`]s it holds, how an acquire may treat them ([`Mode`]) and what it found
+//! ([`Attempt`]).
+
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::sync::BoxFuture;
+use crate::waitlist::{ClockReading, Refresh, Waitlist};
+
+pub(crate) mod sealed {
+    /// Opens the permits of one semaphore name with its limit.
+    pub trait Open {
+        fn open(&self, name: &str, limit: u32) -> super::Opened;
+    }
+}
+
+/// One semaphore opened on a backend: its permits, and the waitlist the backend announces its
+/// grants to (shared by every semaphore of that name on the backend). Public only in name, so
+/// the sealed trait can return it; nothing outside the crate can reach it.
+pub struct Opened {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) waitlist: Arc<Waitlist>,
+}
+
+/// One acquisition's identity in a backend: `"<random id>:<weight>:<lease ms>"`, so any process
+/// that admits it from the line knows its weight and lease. Equal when the text is.
+#[derive(Clone, Debug)]
+pub(crate) struct Member {
+    pub(crate) text: Arc<str>,
+    pub(crate) weight: u32,
+    pub(crate) lease: Duration,
+}
+
+/// The random id's length: 128 bits in hex.
+const ID_LEN: usize = 32;
+
+impl Member {
+    /// A fresh holder id, never reused.
+    pub(crate) fn new(weight: u32, lease: Duration) -> Self {
+        Member {
+            text: format!("{:032x}:{weight}:{}", fastrand::u128(..), lease.as_millis()).into(),
+            weight,
+            lease,
+        }
+    }
+
+    /// The random id alone.
+    pub(crate) fn id(&self) -> &str {
+        &self.text[..ID_LEN]
+    }
+}
+
+impl PartialEq for Member {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Member {}
+
+impl Hash for Member {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.text.hash(state);
+    }
+}
+
+/// How an acquire call may treat its member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// One attempt: grant if it fits and nobody waits, else [`Attempt::Full`].
+    Once,
+    /// Grant, or join the line. The member is new to the backend, so no lookup is needed.
+    Join,
+    /// The member may already hold or wait (a repeat, or the backend dropped it from the
+    /// line): look it up first, then grant or join the line again.
+    Recheck,
+}
+
+/// What one acquire call found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    /// The holder was added with this fencing token; its lease ends `remaining` after the
+    /// backend's clock read at or after the call was sent.
+    Granted { token: u64, remaining: Duration },
+    /// The holder waits in the line; its grant will be announced to the waitlist. The
+    /// earliest lease ends in `retry_in`; `clock` was read by this very call.
+    Queued {
+        retry_in: Duration,
+        clock: ClockReading,
+    },
+    /// No room and not queued (a one-shot attempt).
+    Full,
+}
+
+/// The permits of one semaphore in one backend.
+pub(crate) trait Store: Refresh + Send + Sync + 'static {
+    /// Adds `member` as a holder if it fits and nobody waits; otherwise queues it or
+    /// answers [`Attempt::Full`], as `mode` says. A backend that is loading or busy is asked
+    /// again until `until` (or its call timeout when `None`).
+    fn acquire<'a>(
+        &'a self,
+        member: &'a Member,
+        mode: Mode,
+        until: Option<Instant>,
+    ) -> BoxFuture<'a, Result<Attempt, Error>>;
+
+    /// Removes the holder or waiter (absent is not an error) and admits whoever now fits.
+    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>>;
+
+    /// Releases `member` off the caller's path: at once in-process, or with this semaphore's
+    /// next call to the backend (a flush task makes sure there is one soon).
+    fn release_later(&self, member: Member);
+
+    /// Extends the leases of `members` that still hold to a full lease; for each, the time left
+    /// (from the backend's clock read at or after the call was sent), or `None` for those that
+    /// no longer hold (they are never added back).
+    fn renew<'a>(
+        &'a self,
+        members: &'a [Member],
+    ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>>;
+
+    /// Ticks each time the connection to the backend was lost: holders renew at once, so a
+    /// backend that came back empty is noticed within a round trip. `None` for a backend that
+    /// cannot lose its state.
+    fn reconnects(&self) -> Option<watch::Receiver<u64>>;
+
+    /// The weight held by live (unexpired) holders.
+    fn used(&self) -> BoxFuture<'_, Result<u32, Error>>;
+}
