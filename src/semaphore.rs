@@ -50,10 +50,11 @@ const MAX_LEASE: Duration = Duration::from_millis(u32::MAX as u64);
 /// ```
 #[derive(Clone)]
 pub struct Semaphore {
-    inner: Arc<Inner>,
+    inner: Arc<Core>,
 }
 
-struct Inner {
+/// What clones of one `Semaphore` share.
+struct Core {
     settings: Settings,
     /// Where permits are released and who renews them.
     origin: Arc<Origin>,
@@ -265,7 +266,7 @@ impl Semaphore {
             degraded,
         });
         Semaphore {
-            inner: Arc::new(Inner {
+            inner: Arc::new(Core {
                 settings,
                 origin,
                 waitlist,

@@ -144,7 +144,7 @@ impl Hub {
         let list = Arc::new(Waitlist {
             key: key.clone(),
             subscribe: self.subscribe.clone(),
-            state: Mutex::new(State {
+            state: Mutex::new(Line {
                 entries: BTreeMap::new(),
                 by_member: HashMap::new(),
                 next: 0,
@@ -190,10 +190,11 @@ enum Subscription {
 pub struct Waitlist {
     key: Arc<str>,
     subscribe: Option<SubscribeRequests>,
-    state: Mutex<State>,
+    state: Mutex<Line>,
 }
 
-struct State {
+/// The local waiters of one semaphore, in order, and the subscription they need.
+struct Line {
     /// By registration order; only `queued` entries wait in the backend's line.
     entries: BTreeMap<u64, Entry>,
     /// Where each member sits in `entries`: a grant finds its waiter without a scan.
@@ -223,7 +224,7 @@ enum Event {
     Touch,
 }
 
-impl State {
+impl Line {
     fn entry(&mut self, member: &str) -> Option<&mut Entry> {
         let seq = self.by_member.get(member)?;
         self.entries.get_mut(seq)
@@ -261,7 +262,7 @@ impl Waitlist {
         &self.key
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
+    fn state(&self) -> MutexGuard<'_, Line> {
         lock(&self.state)
     }
 
@@ -360,7 +361,7 @@ impl Waitlist {
         }
     }
 
-    fn request_subscription(self: &Arc<Self>, state: &mut State) {
+    fn request_subscription(self: &Arc<Self>, state: &mut Line) {
         if state.subscription != Subscription::Off {
             return;
         }

@@ -35,7 +35,7 @@ use crate::waitlist::{ClockReading, Hub, KEEPALIVE, Refresh, Status, Until, Wait
 /// ```
 #[derive(Clone, Default)]
 pub struct MemoryBackend {
-    shared: Arc<Shared>,
+    shared: Arc<InProcess>,
 }
 
 impl std::fmt::Debug for MemoryBackend {
@@ -44,16 +44,17 @@ impl std::fmt::Debug for MemoryBackend {
     }
 }
 
-struct Shared {
-    state: Mutex<State>,
+/// What clones of one `MemoryBackend` share.
+struct InProcess {
+    state: Mutex<AllPermits>,
     hub: Hub,
     /// The backend's clock reads µs since this instant.
     epoch: Instant,
 }
 
-impl Default for Shared {
+impl Default for InProcess {
     fn default() -> Self {
-        Shared {
+        InProcess {
             state: Mutex::default(),
             hub: Hub::new(None),
             epoch: Instant::now(),
@@ -61,15 +62,16 @@ impl Default for Shared {
     }
 }
 
-impl Shared {
+impl InProcess {
     /// `at` on the backend's clock, as announcements carry it.
     fn server_us(&self, at: Instant) -> u64 {
         u64::try_from(at.saturating_duration_since(self.epoch).as_micros()).unwrap_or(u64::MAX)
     }
 }
 
+/// Every semaphore of the backend, under one lock.
 #[derive(Default)]
-struct State {
+struct AllPermits {
     semaphores: HashMap<Arc<str>, Permits>,
     /// One counter for every semaphore: strictly increasing per semaphore, never reset.
     fence: u64,
@@ -178,14 +180,14 @@ impl Open for MemoryBackend {
 }
 
 struct MemorySemaphore {
-    shared: Arc<Shared>,
+    shared: Arc<InProcess>,
     name: Arc<str>,
     limit: u32,
     waitlist: Arc<Waitlist>,
 }
 
 impl MemorySemaphore {
-    fn state(&self) -> MutexGuard<'_, State> {
+    fn state(&self) -> MutexGuard<'_, AllPermits> {
         lock(&self.shared.state)
     }
 
@@ -195,7 +197,7 @@ impl MemorySemaphore {
         let mut grants = Vec::new();
         let result = {
             let mut guard = self.state();
-            let State { semaphores, fence } = &mut *guard;
+            let AllPermits { semaphores, fence } = &mut *guard;
             let permits = semaphores.entry(self.name.clone()).or_default();
             permits.settle(now, self.limit, fence, &mut grants);
             let result = op(permits, now, fence);

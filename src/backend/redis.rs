@@ -62,7 +62,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// ```
 #[derive(Clone)]
 pub struct RedisBackend {
-    shared: Arc<Shared>,
+    shared: Arc<Connection>,
     prefix: Arc<str>,
 }
 
@@ -74,7 +74,8 @@ impl std::fmt::Debug for RedisBackend {
     }
 }
 
-struct Shared {
+/// What clones of one `RedisBackend` share: the connection and what rides on it.
+struct Connection {
     conn: ConnectionManager,
     hub: Arc<Hub>,
     call_timeout: Duration,
@@ -215,7 +216,7 @@ impl RedisBackendBuilder {
             .map_err(|e| redis_error(e, "connect"))?;
         tokio::spawn(subscriber(conn.clone(), requests));
         Ok(RedisBackend {
-            shared: Arc::new(Shared {
+            shared: Arc::new(Connection {
                 conn,
                 hub,
                 call_timeout: self.call_timeout,
@@ -336,7 +337,7 @@ fn hash_tag(name: &str) -> String {
 struct RedisSemaphore {
     me: Weak<RedisSemaphore>,
     /// Keeps the connection and the announcement hub alive as long as the semaphore.
-    shared: Arc<Shared>,
+    shared: Arc<Connection>,
     keys: [String; 4],
     channel: String,
     limit: u32,

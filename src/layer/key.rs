@@ -66,10 +66,11 @@ pub enum WithoutKey {
 /// ```
 #[derive(Clone)]
 pub struct Partitions {
-    inner: Arc<Inner>,
+    inner: Arc<PartitionSet>,
 }
 
-struct Inner {
+/// What clones of one `Partitions` share.
+struct PartitionSet {
     base: String,
     key: Box<KeyFn>,
     limit: Box<LimitFn>,
@@ -216,7 +217,7 @@ impl PartitionsBuilder {
         let build: Box<BuildFn> =
             Box::new(move |builder: SemaphoreBuilder| builder.build(backend.clone()));
         let partitions = Partitions {
-            inner: Arc::new(Inner {
+            inner: Arc::new(PartitionSet {
                 base,
                 key,
                 limit,
