@@ -62,6 +62,7 @@ mod backend;
 mod error;
 mod keeper;
 pub mod layer;
+mod lease;
 mod outage;
 mod permit;
 mod semaphore;

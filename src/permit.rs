@@ -12,7 +12,8 @@ use tokio::time::Instant;
 
 use crate::Error;
 use crate::backend::{Member, Store};
-use crate::keeper::{Keeper, Lease};
+use crate::keeper::Keeper;
+use crate::lease::Lease;
 
 /// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
 ///
