@@ -16,7 +16,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_distributed_limit::{Error, MemoryBackend, RedisBackend, Semaphore};
+use tower::BoxError;
+use tower_distributed_limit::{Error, MemoryBackend, Semaphore};
+
+mod support;
 
 const LIMIT: u32 = 6;
 const INSTANCES: usize = 4;
@@ -33,7 +36,7 @@ struct Stats {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Error> {
+async fn main() -> Result<(), BoxError> {
     let redis_url = std::env::var("REDIS_URL").ok();
     match &redis_url {
         Some(url) => println!("backend: Redis at {url}"),
@@ -52,7 +55,7 @@ async fn main() -> Result<(), Error> {
             .lease(Duration::from_secs(10))
             .acquire_timeout(Duration::from_secs(3));
         let sem = match &redis_url {
-            Some(url) => builder.build(RedisBackend::connect(url).await?)?,
+            Some(url) => builder.build(support::redis(url).await?)?,
             None => builder.build(memory.clone())?,
         };
         for worker in 0..WORKERS_PER_INSTANCE {

@@ -1,5 +1,7 @@
 //! Shared by the examples: the permits live in Redis when `REDIS_URL` is set (e.g.
-//! `REDIS_URL=redis://127.0.0.1:6379`), in this process otherwise.
+//! `REDIS_URL=redis://127.0.0.1:6379`, or `rediss://` for TLS, with `REDIS_CA_FILE=ca.crt`
+//! for a private CA), in this process otherwise.
+#![allow(dead_code)] // each example uses its own part of this module
 
 use tower::BoxError;
 use tower_distributed_limit::{MemoryBackend, RedisBackend, Semaphore, SemaphoreBuilder};
@@ -7,7 +9,18 @@ use tower_distributed_limit::{MemoryBackend, RedisBackend, Semaphore, SemaphoreB
 /// Builds the semaphore on Redis (`REDIS_URL`) or on the in-process backend.
 pub async fn build(settings: SemaphoreBuilder) -> Result<Semaphore, BoxError> {
     Ok(match std::env::var("REDIS_URL") {
-        Ok(url) => settings.build(RedisBackend::connect(&url).await?)?,
+        Ok(url) => settings.build(redis(&url).await?)?,
         Err(_) => settings.build(MemoryBackend::new())?,
     })
+}
+
+/// Connects to `url`, trusting the CA in `REDIS_CA_FILE` when it is set.
+pub async fn redis(url: &str) -> Result<RedisBackend, BoxError> {
+    let mut builder = RedisBackend::builder(url);
+    if let Ok(path) = std::env::var("REDIS_CA_FILE") {
+        let pem =
+            std::fs::read(&path).map_err(|e| format!("cannot read REDIS_CA_FILE {path}: {e}"))?;
+        builder = builder.add_root_certificate_pem(pem);
+    }
+    Ok(builder.connect().await?)
 }

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{
-    Client, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, PushInfo, PushKind, RedisError,
-    Script, ScriptInvocation, Value,
+    Client, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, PushInfo,
+    PushKind, RedisError, Script, ScriptInvocation, TlsCertificates, Value,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -85,9 +85,10 @@ struct Connection {
 }
 
 impl RedisBackend {
-    /// Connects to the Redis server at `url` (`redis://host:port/db`, `rediss://` for TLS when
-    /// redis-rs is built with a TLS feature), with the default settings of
-    /// [`RedisBackend::builder`].
+    /// Connects to the Redis server at `url` (`redis://host:port/db`, or `rediss://` for TLS,
+    /// checked against the system's CAs; see
+    /// [`add_root_certificate_pem`](RedisBackendBuilder::add_root_certificate_pem) for a private
+    /// CA), with the default settings of [`RedisBackend::builder`].
     ///
     /// Fails with [`Error::Config`] for a malformed URL and [`Error::Backend`] when the server
     /// cannot be reached now; once connected, the connection is re-established by itself.
@@ -133,6 +134,7 @@ impl RedisBackend {
             call_timeout: CALL_TIMEOUT,
             connect_timeout: CONNECT_TIMEOUT,
             prefix: "dlimit:".into(),
+            root_certificates: Vec::new(),
         }
     }
 
@@ -152,6 +154,8 @@ pub struct RedisBackendBuilder {
     call_timeout: Duration,
     connect_timeout: Duration,
     prefix: String,
+    /// PEM certificates of the CAs to trust for `rediss://`, instead of the system's.
+    root_certificates: Vec<u8>,
 }
 
 impl RedisBackendBuilder {
@@ -175,8 +179,33 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// Connects. Fails with [`Error::Config`] for a malformed URL or a zero timeout, and with
-    /// [`Error::Backend`] when the server cannot be reached now.
+    /// Trusts the CA whose certificate `pem` holds (PEM text, e.g. the contents of `ca.crt`)
+    /// for a `rediss://` URL, instead of the system's CAs: for a private CA or a self-signed
+    /// server. May be called more than once; a PEM may hold several certificates.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use tower_distributed_limit::RedisBackend;
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let ca = std::fs::read("/etc/redis/tls/ca.crt")?;
+    /// let redis = RedisBackend::builder("rediss://cache.internal:6380")
+    ///     .add_root_certificate_pem(ca)
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = redis; Ok(()) }
+    /// ```
+    pub fn add_root_certificate_pem(mut self, pem: impl AsRef<[u8]>) -> Self {
+        self.root_certificates.extend_from_slice(pem.as_ref());
+        self.root_certificates.push(b'\n');
+        self
+    }
+
+    /// Connects. Fails with [`Error::Config`] for a malformed URL, a zero timeout, or root
+    /// certificates for a plain `redis://` URL, and with [`Error::Backend`] when the server
+    /// cannot be reached now (or its TLS certificate is not trusted) within the connect
+    /// timeout.
     pub async fn connect(self) -> Result<RedisBackend, Error> {
         let info = self.info?;
         if self.call_timeout.is_zero() || self.connect_timeout.is_zero() {
@@ -184,12 +213,34 @@ impl RedisBackendBuilder {
                 "Redis call and connect timeouts must be more than zero",
             ));
         }
+        let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
+        if !self.root_certificates.is_empty() && !tls {
+            return Err(Error::config(
+                "add_root_certificate_pem applies to TLS connections: use a rediss:// URL",
+            ));
+        }
         let settings = info
             .redis_settings()
             .clone()
             .set_protocol(ProtocolVersion::RESP3);
-        let client = Client::open(info.set_redis_settings(settings))
-            .map_err(|e| Error::config(format!("cannot use this Redis client: {e}")))?;
+        let info = info.set_redis_settings(settings);
+        let client = if tls {
+            // rustls needs one crypto provider for the process; ring's, unless the
+            // application installed another (then this does nothing).
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            if self.root_certificates.is_empty() {
+                Client::open(info)
+            } else {
+                let certificates = TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(self.root_certificates),
+                };
+                Client::build_with_tls(info, certificates)
+            }
+        } else {
+            Client::open(info)
+        }
+        .map_err(|e| Error::config(format!("cannot use this Redis client: {e}")))?;
 
         let (subscribe, requests) = mpsc::unbounded_channel();
         let hub = Arc::new(Hub::new(Some(subscribe)));
@@ -213,7 +264,7 @@ impl RedisBackendBuilder {
             .set_max_delay(Duration::from_millis(500));
         let conn = ConnectionManager::new_with_config(client, config)
             .await
-            .map_err(|e| redis_error(e, "connect"))?;
+            .map_err(|e| connect_error(e, tls))?;
         tokio::spawn(subscriber(conn.clone(), requests));
         Ok(RedisBackend {
             shared: Arc::new(Connection {
@@ -672,6 +723,25 @@ fn unexpected(reply: &Value) -> Error {
              is another program or version using the same key prefix?"
         ),
         None,
+    )
+}
+
+/// A first connection that failed, with what to check; over TLS, the handshake is the usual
+/// suspect.
+fn connect_error(e: RedisError, tls: bool) -> Error {
+    if !tls {
+        return redis_error(e, "connect");
+    }
+    let hint = if e.to_string().contains("certificate") {
+        "the server's TLS certificate is not trusted: add the CA that signed it with \
+         RedisBackendBuilder::add_root_certificate_pem, and check the host name it was issued for"
+    } else {
+        "check that the server is up and speaks TLS on this port (a plain-TCP port never \
+         answers the TLS handshake, so it times out)"
+    };
+    Error::backend(
+        format!("cannot open a TLS connection to Redis ({e}); {hint}"),
+        Some(Box::new(e) as _),
     )
 }
 
