@@ -50,7 +50,7 @@ async fn child_process() {
     match role.as_str() {
         "pause" => hold_until_checked(backend).await,
         "frozen-waiter" => {
-            let sem = semaphore("frozen").build(backend).unwrap();
+            let sem = frozen().build(backend).unwrap();
             match sem.acquire().await {
                 Ok(permit) => println!("DLIMIT held lost={}", permit.is_lost()),
                 Err(Error::Timeout { .. }) => println!("DLIMIT timeout"),
@@ -106,13 +106,13 @@ fn claims() -> tower_distributed_limit::SemaphoreBuilder {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_frozen_past_its_grant_does_not_wake_holding_it() {
     let redis = Redis::start().await;
-    let sem = semaphore("frozen").build(redis.backend().await).unwrap();
+    let sem = frozen().build(redis.backend().await).unwrap();
     let first = sem.acquire().await.unwrap();
     let mut child = spawn_child(&redis, "frozen-waiter");
     eventually(
         Duration::from_secs(10),
         "the child to wait in line",
-        || async { redis.queue_len("frozen").await == 1 },
+        || async { redis.queue_len("frozen-waiter").await == 1 },
     )
     .await;
     let pid = child.id().unwrap();
@@ -122,9 +122,19 @@ async fn a_waiter_frozen_past_its_grant_does_not_wake_holding_it() {
     let second = sem.acquire().await.expect("the unclaimed grant ran out");
     signal(pid, "CONT");
     // While we hold the slot, the child must not report holding it too.
-    assert_eq!(child_says(&mut child).await, "timeout");
-    assert!(!second.is_lost());
+    let said = child_says(&mut child).await;
+    assert!(!second.is_lost(), "our own permit was lost meanwhile");
+    assert_eq!(said, "timeout");
     assert!(child.wait().await.unwrap().success());
+}
+
+/// For the frozen-waiter test: a 4 s lease (so a loaded machine cannot lose the parent's permit
+/// while the child runs out its wait; a grant from the line is provisional for 2 s) and an 8 s
+/// wait (so the child still waits when it is thawed).
+fn frozen() -> tower_distributed_limit::SemaphoreBuilder {
+    semaphore("frozen-waiter")
+        .lease(Duration::from_secs(4))
+        .acquire_timeout(Duration::from_secs(8))
 }
 
 /// A process killed with eight waiters in line: the grants made to them are provisional and
