@@ -90,6 +90,12 @@ pub(crate) trait Refresh: Send + Sync {
         members: &'a [Arc<str>],
         until: Instant,
     ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>>;
+
+    /// An announced grant counts only once a touch has confirmed it (the backend waits for
+    /// replicas to acknowledge grants).
+    fn confirms_grants(&self) -> bool {
+        false
+    }
 }
 
 /// How a wait in line ended.
@@ -403,6 +409,9 @@ impl Ticket {
             match event {
                 Event::Granted { token, until } => {
                     let until = match until {
+                        Until::Server(_) if line.confirms_grants() => {
+                            return self.confirm(line, deadline).await;
+                        }
                         Until::Server(us) => clock.local_time_of(us),
                         Until::Local(until) => until,
                     };
@@ -422,6 +431,24 @@ impl Ticket {
                 }
             }
         }
+    }
+
+    /// Claims an announced grant with a touch of its own, which the backend confirms (e.g.
+    /// replicas acknowledged it) before it counts.
+    async fn confirm(&self, line: &dyn Refresh, deadline: Instant) -> Result<Wake, Error> {
+        let member = std::slice::from_ref(&self.member);
+        let sent = Instant::now();
+        let Ok(touched) = tokio::time::timeout_at(deadline, line.touch(member, deadline)).await
+        else {
+            return Ok(Wake::TimedOut);
+        };
+        Ok(match touched?.0.first() {
+            Some(&Status::Granted { token, remaining }) => Wake::Granted {
+                token,
+                until: sent + remaining,
+            },
+            _ => Wake::Forgotten,
+        })
     }
 
     /// The attempt queued this waiter in the backend: listen for its grant.

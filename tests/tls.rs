@@ -5,17 +5,13 @@
 
 mod support;
 
-use std::net::TcpListener;
-use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-use tokio::process::{Child, Command};
 use tokio::time::Instant;
 use tower_distributed_limit::{Error, RedisBackend, Semaphore};
 
-use support::{Redis, eventually};
+use support::{Redis, RedisProcess};
 
 /// A CA, and a server certificate for 127.0.0.1 signed by it.
 struct Pki {
@@ -44,91 +40,42 @@ fn pki(common_name: &str) -> Pki {
     }
 }
 
-/// A redis-server that speaks only TLS, on a free loopback port; killed when dropped.
-struct TlsRedis {
-    _child: Child,
-    _dir: TempDir,
-    port: u16,
-}
-
-struct TempDir(std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    assert_ne!(port, 6379);
-    port
-}
-
-impl TlsRedis {
-    async fn start(pki: &Pki) -> TlsRedis {
-        let dir = std::env::temp_dir().join(format!("dlimit-tls-{}", fastrand::u64(..)));
-        std::fs::create_dir_all(&dir).unwrap();
+/// A redis-server that speaks only TLS, with `pki`'s server certificate.
+async fn tls_redis(pki: &Pki) -> RedisProcess {
+    RedisProcess::start(|port, dir| {
         let write = |name: &str, text: &str| {
             let path = dir.join(name);
             std::fs::write(&path, text).unwrap();
-            path
+            path.to_str().unwrap().to_owned()
         };
-        let cert = write("server.crt", &pki.cert_pem);
-        let key = write("server.key", &pki.key_pem);
-        let ca = write("ca.crt", &pki.ca_pem);
-        let port = free_port();
-        let arg = |path: &Path| path.to_str().unwrap().to_owned();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                "0",
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(["--tls-port", &port.to_string()])
-            .args(["--tls-cert-file", &arg(&cert), "--tls-key-file", &arg(&key)])
-            .args(["--tls-ca-cert-file", &arg(&ca), "--tls-auth-clients", "no"])
-            .arg("--dir")
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start redis-server");
-        let server = TlsRedis {
-            _child: child,
-            _dir: TempDir(dir),
-            port,
-        };
-        eventually(
-            Duration::from_secs(10),
-            "the TLS port to listen",
-            || async {
-                tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .is_ok()
-            },
-        )
-        .await;
-        server
-    }
+        vec![
+            "--port".into(),
+            "0".into(),
+            "--tls-port".into(),
+            port.to_string(),
+            "--tls-cert-file".into(),
+            write("server.crt", &pki.cert_pem),
+            "--tls-key-file".into(),
+            write("server.key", &pki.key_pem),
+            "--tls-ca-cert-file".into(),
+            write("ca.crt", &pki.ca_pem),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ]
+    })
+    .await
+}
 
-    fn url(&self) -> String {
-        format!("rediss://127.0.0.1:{}", self.port)
-    }
+fn tls_url(redis: &RedisProcess) -> String {
+    format!("rediss://127.0.0.1:{}", redis.port)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_server_with_a_private_ca_shares_a_limit() {
     let pki = pki("dlimit test CA");
-    let redis = TlsRedis::start(&pki).await;
+    let redis = tls_redis(&pki).await;
     let connect = || {
-        RedisBackend::builder(redis.url().as_str())
+        RedisBackend::builder(tls_url(&redis).as_str())
             .add_root_certificate_pem(&pki.ca_pem)
             .connect()
     };
@@ -161,10 +108,10 @@ async fn a_tls_server_with_a_private_ca_shares_a_limit() {
 /// The server's certificate comes from a CA we were not told to trust.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_untrusted_certificate_is_a_clear_error_within_the_connect_timeout() {
-    let redis = TlsRedis::start(&pki("the server's CA")).await;
+    let redis = tls_redis(&pki("the server's CA")).await;
     let other = pki("some other CA");
     let started = Instant::now();
-    let err = RedisBackend::builder(redis.url().as_str())
+    let err = RedisBackend::builder(tls_url(&redis).as_str())
         .add_root_certificate_pem(&other.ca_pem)
         .connect_timeout(Duration::from_millis(500))
         .connect()

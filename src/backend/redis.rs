@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{
-    Client, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, PushInfo,
-    PushKind, RedisError, Script, ScriptInvocation, TlsCertificates, Value,
+    Client, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, ProtocolVersion,
+    PushInfo, PushKind, RedisError, RedisResult, Script, ServerErrorKind, TlsCertificates, Value,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -82,6 +82,14 @@ struct Connection {
     /// Ticks on every lost connection, so holders renew (and learn of a server that came back
     /// empty) at once.
     reconnects: Arc<watch::Sender<u64>>,
+    /// `wait_for_replicas`: how many replicas must acknowledge a grant, and how long to wait.
+    replicas: Option<Replicas>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Replicas {
+    count: u32,
+    timeout: Duration,
 }
 
 impl RedisBackend {
@@ -135,6 +143,7 @@ impl RedisBackend {
             connect_timeout: CONNECT_TIMEOUT,
             prefix: "dlimit:".into(),
             root_certificates: Vec::new(),
+            replicas: None,
         }
     }
 
@@ -156,6 +165,7 @@ pub struct RedisBackendBuilder {
     prefix: String,
     /// PEM certificates of the CAs to trust for `rediss://`, instead of the system's.
     root_certificates: Vec<u8>,
+    replicas: Option<Replicas>,
 }
 
 impl RedisBackendBuilder {
@@ -202,6 +212,36 @@ impl RedisBackendBuilder {
         self
     }
 
+    /// A grant counts only once `count` replicas acknowledged it (Redis `WAIT`, sent in the same
+    /// pipeline as the script, so no extra round trip): an acquire, a renewal or a claim that
+    /// is not acknowledged within `timeout` fails as [`Error::Backend`] (and the acquire's
+    /// outage policy decides), and an acquired slot is given back. A waiter whose grant is
+    /// announced confirms it the same way before its `acquire` returns.
+    ///
+    /// This protects against a failover that loses the last grants (the promoted replica never
+    /// saw them, so it would admit others above the limit). It is not consensus: replication
+    /// stays asynchronous, and an acknowledged write can still be lost if every replica that
+    /// saw it fails too. `WAIT` holds this process's connection until the replicas answer, so
+    /// keep `timeout` short (tens of milliseconds).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_distributed_limit::RedisBackend;
+    ///
+    /// # async fn run() -> Result<(), tower_distributed_limit::Error> {
+    /// let redis = RedisBackend::builder("redis://primary.internal:6379")
+    ///     .wait_for_replicas(1, Duration::from_millis(50))
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = redis; Ok(()) }
+    /// ```
+    pub fn wait_for_replicas(mut self, count: u32, timeout: Duration) -> Self {
+        self.replicas = Some(Replicas { count, timeout });
+        self
+    }
+
     /// Connects. Fails with [`Error::Config`] for a malformed URL, a zero timeout, or root
     /// certificates for a plain `redis://` URL, and with [`Error::Backend`] when the server
     /// cannot be reached now (or its TLS certificate is not trusted) within the connect
@@ -212,6 +252,14 @@ impl RedisBackendBuilder {
             return Err(Error::config(
                 "Redis call and connect timeouts must be more than zero",
             ));
+        }
+        if let Some(Replicas { count, timeout }) = self.replicas
+            && (count == 0 || timeout < Duration::from_millis(1))
+        {
+            return Err(Error::config(format!(
+                "wait_for_replicas({count}, {timeout:?}): ask for at least 1 replica and a timeout \
+                 of at least 1 ms (a zero WAIT timeout would block for ever)"
+            )));
         }
         let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
         if !self.root_certificates.is_empty() && !tls {
@@ -272,6 +320,7 @@ impl RedisBackendBuilder {
                 hub,
                 call_timeout: self.call_timeout,
                 reconnects,
+                replicas: self.replicas,
             }),
             prefix: self.prefix.into(),
         })
@@ -415,25 +464,27 @@ impl RedisSemaphore {
     /// A call whose connection dropped is sent once more: the connection manager reconnects on
     /// that error, and every operation may run twice (an acquire's repeat rechecks its member
     /// instead of adding it again). A server that is loading its data or busy with a script is
-    /// asked again after a jittered pause, until `until` (or the call timeout).
+    /// asked again after a jittered pause, until `until` (or the call timeout). With
+    /// `wait_for_replicas`, a call that may grant (`confirm`) is pipelined with `WAIT`, and
+    /// fails unless enough replicas acknowledged it.
     async fn run(
         &self,
         op: &'static str,
         releasing: Option<&Member>,
         until: Option<Instant>,
-        args: impl Fn(&mut ScriptInvocation<'static>, bool),
+        args: impl Fn(&mut Cmd, bool),
     ) -> Result<Value, Error> {
         let mut carried = Carried {
             semaphore: self,
             members: std::mem::take(&mut self.unsent().members),
             settled: false,
         };
-        let invocation = |repeat: bool| {
-            let mut invocation = SCRIPT.prepare_invoke();
-            for key in &self.keys {
-                invocation.key(key);
-            }
-            invocation
+        let command = |repeat: bool| {
+            let mut command = redis::cmd("EVALSHA");
+            command
+                .arg(SCRIPT.get_hash())
+                .arg(self.keys.len())
+                .arg(&self.keys[..])
                 .arg(op)
                 .arg(&self.channel)
                 .arg(self.limit)
@@ -441,18 +492,19 @@ impl RedisSemaphore {
                 .arg(CLAIM.as_millis() as u64)
                 .arg(carried.members.len() + usize::from(releasing.is_some()));
             if let Some(member) = releasing {
-                invocation.arg(&*member.text);
+                command.arg(&*member.text);
             }
             for member in &carried.members {
-                invocation.arg(&**member);
+                command.arg(&**member);
             }
-            args(&mut invocation, repeat);
+            args(&mut command, repeat);
             tracing::trace!(target: CALLS, op, carried = carried.members.len(), repeat, "script call");
-            invocation
+            command
         };
+        let confirm = matches!(op, "acquire" | "touch" | "renew");
         let until = until.unwrap_or_else(|| Instant::now() + self.shared.call_timeout);
         let mut conn = self.shared.conn.clone();
-        let mut result = invocation(false).invoke_async(&mut conn).await;
+        let mut result = self.send(&mut conn, &command(false), confirm).await;
         let mut dropped_once = false;
         let mut pause = Duration::from_millis(10);
         loop {
@@ -465,16 +517,67 @@ impl RedisSemaphore {
                 }
                 _ => break,
             }
-            result = invocation(true).invoke_async(&mut conn).await;
+            result = self.send(&mut conn, &command(true), confirm).await;
         }
         carried.settled = true;
-        let result = result.map_err(|e| redis_error(e, op));
+        let result = result
+            .map_err(|e| redis_error(e, op))
+            .and_then(|(reply, acked)| match (self.shared.replicas, acked) {
+                (Some(replicas), Some(acked)) if acked < i64::from(replicas.count) => {
+                    Err(Error::backend(
+                        format!(
+                            "only {acked} of {} replicas acknowledged `{op}` within {:?} \
+                             (wait_for_replicas), so it does not count; check the replicas' \
+                             health and lag, or raise the timeout",
+                            replicas.count, replicas.timeout
+                        ),
+                        None,
+                    ))
+                }
+                _ => Ok(reply),
+            });
         if let Err(e) = &result
             && !carried.members.is_empty()
         {
             tracing::warn!(error = %e, count = carried.members.len(), "releases failed: those slots free when their leases end");
         }
         result
+    }
+
+    /// Sends one script call (loading the script on `NOSCRIPT`), with `WAIT` in the same
+    /// pipeline when replicas must acknowledge it; the reply, and how many acknowledged.
+    async fn send(
+        &self,
+        conn: &mut ConnectionManager,
+        command: &Cmd,
+        confirm: bool,
+    ) -> RedisResult<(Value, Option<i64>)> {
+        let replicas = self.shared.replicas.filter(|_| confirm);
+        for _ in 0..2 {
+            let result = match replicas {
+                None => command.query_async(conn).await.map(|reply| (reply, None)),
+                Some(Replicas { count, timeout }) => {
+                    let mut pipe = redis::pipe();
+                    pipe.add_command(command.clone())
+                        .cmd("WAIT")
+                        .arg(count)
+                        .arg(timeout.as_millis() as u64);
+                    pipe.query_async::<(Value, i64)>(conn)
+                        .await
+                        .map(|(reply, acked)| (reply, Some(acked)))
+                }
+            };
+            match result {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    SCRIPT.prepare_invoke().load_async(conn).await?;
+                }
+                other => return other,
+            }
+        }
+        Err(RedisError::from((
+            ErrorKind::Client,
+            "the semaphore script vanished twice right after being loaded",
+        )))
     }
 
     /// Sends the waiting releases, if no other call took them meanwhile.
@@ -683,6 +786,10 @@ impl Refresh for RedisSemaphore {
             }
             Ok((statuses, retry_in))
         })
+    }
+
+    fn confirms_grants(&self) -> bool {
+        self.shared.replicas.is_some()
     }
 }
 

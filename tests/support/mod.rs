@@ -5,6 +5,7 @@ use std::future::Future;
 use std::process::Stdio;
 use std::time::Duration;
 
+use std::path::PathBuf;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -106,6 +107,70 @@ impl Redis {
         let addr = self.server.client_addr().clone();
         self.server = RedisServer::new_with_addr_and_modules(addr, &[], false);
         wait_for_ping(&self.url).await;
+    }
+}
+
+/// A redis-server started with arguments of the test's own (TLS, replication, ...) on a free
+/// loopback port, in a temporary directory; killed, and its directory removed, when dropped.
+pub struct RedisProcess {
+    _child: Child,
+    pub port: u16,
+    pub dir: PathBuf,
+}
+
+impl RedisProcess {
+    /// Starts `redis-server` with `args(port, dir)` after a few defaults (loopback only, no
+    /// persistence), and waits until the port accepts connections.
+    pub async fn start(args: impl FnOnce(u16, &std::path::Path) -> Vec<String>) -> RedisProcess {
+        let dir = std::env::temp_dir().join(format!("dlimit-redis-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir)
+            .args(args(port, &dir))
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start redis-server");
+        eventually(
+            Duration::from_secs(10),
+            "redis-server to listen",
+            || async {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+            },
+        )
+        .await;
+        RedisProcess {
+            _child: child,
+            port,
+            dir,
+        }
+    }
+
+    /// The process id, for SIGSTOP / SIGCONT.
+    pub fn pid(&self) -> u32 {
+        self._child.id().expect("running")
+    }
+}
+
+impl Drop for RedisProcess {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A loopback port nobody listens on now (never 6379).
+pub fn free_port() -> u16 {
+    loop {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        if port != 6379 {
+            return port;
+        }
     }
 }
 
