@@ -236,10 +236,15 @@ pub fn child_role() -> Option<(String, String)> {
 /// Starts this test binary again as a child process playing `role` against `redis`: the
 /// binary's `child_process` test (ignored in normal runs) reads [`ROLE`] and [`URL`].
 pub fn spawn_child(redis: &Redis, role: &str) -> Child {
+    spawn_child_with(role, &redis.url)
+}
+
+/// [`spawn_child`] with any URL (or list of URLs) for the child.
+pub fn spawn_child_with(role: &str, url: &str) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_process", "--nocapture"])
         .env(ROLE, role)
-        .env(URL, &redis.url)
+        .env(URL, url)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .kill_on_drop(true)

@@ -10,7 +10,8 @@
 -- slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
 -- when the last holder leaves); queue and alive expire with the latest waiter deadline.
 --
--- ARGV: operation, channel, limit, patience ms, claim ms, k, then k members to release
+-- ARGV: operation, channel, its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
+-- patience ms, claim ms, k, then k members to release
 -- (holders or waiters; absent ones are ignored), then the operation's arguments:
 --   acquire <member> <once|join|recheck>
 --       -> {1, token, left µs} granted | {2, retry ms, now µs} queued | {0, retry ms, now µs} full
@@ -27,10 +28,13 @@
 -- to get its full lease; each grant is published on the channel as "<member> <token> <deadline
 -- ms>". "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
 local holders, meta, queue, alive = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local op, channel, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local patience, claim = tonumber(ARGV[4]), tonumber(ARGV[5])
-local released = tonumber(ARGV[6])
-local args = 7 + released
+local op, channel, publisher, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
+local released = tonumber(ARGV[7])
+local args = 8 + released
+if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
+  return redis.error_reply('unknown publish command ' .. tostring(publisher))
+end
 
 local time = redis.call('TIME')
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -128,7 +132,7 @@ local function extend(member)
 end
 
 local removed = 0
-for i = 7, args - 1 do
+for i = 8, args - 1 do
   local member = ARGV[i]
   if redis.call('ZREM', holders, member) == 1 then
     used = used - parse(member)
@@ -161,7 +165,7 @@ if waiting > 0 then
       local _, lease = parse(member)
       local token, deadline = grant(member, math.min(claim, math.max(math.floor(lease / 2), 1)))
       granted[member] = token
-      redis.call('PUBLISH', channel, member .. ' ' .. int(token) .. ' ' .. int(deadline))
+      redis.call(publisher, channel, member .. ' ' .. int(token) .. ' ' .. int(deadline))
     end
   end
 end

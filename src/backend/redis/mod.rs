@@ -11,10 +11,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+mod connection;
+
+use self::connection::{Conn, Nodes, Target};
 use redis::{
-    Client, Cmd, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, ProtocolVersion,
-    PushInfo, PushKind, RedisError, RedisResult, Script, ServerErrorKind, TlsCertificates, Value,
+    Client, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, PushInfo, PushKind, RedisError,
+    RedisResult, Script, ServerErrorKind, TlsCertificates, Value,
 };
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -24,7 +26,8 @@ use crate::Error;
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{CLAIM, ClockReading, Hub, PATIENCE, Refresh, Status, Until, Waitlist};
 
-static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/semaphore.lua")));
+static SCRIPT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/semaphore.lua")));
 
 /// How long a channel stays subscribed after its last local waiter left, so a semaphore that
 /// is full on and off does not subscribe and unsubscribe on every wait.
@@ -76,7 +79,7 @@ impl std::fmt::Debug for RedisBackend {
 
 /// What clones of one `RedisBackend` share: the connection and what rides on it.
 struct Connection {
-    conn: ConnectionManager,
+    conn: Conn,
     hub: Arc<Hub>,
     call_timeout: Duration,
     /// Ticks on every lost connection, so holders renew (and learn of a server that came back
@@ -133,8 +136,65 @@ impl RedisBackend {
     /// # let _ = redis; Ok(()) }
     /// ```
     pub fn builder(info: impl IntoConnectionInfo) -> RedisBackendBuilder {
+        RedisBackendBuilder::new(
+            info.into_connection_info()
+                .map(|info| Nodes::Single(Box::new(info))),
+        )
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes (`urls`: one is enough, more
+    /// survive one being down), with the default settings of
+    /// [`RedisBackend::cluster_builder`].
+    ///
+    /// Each semaphore's keys sit in the slot of its `{name}` hash tag, so every script call
+    /// runs on the node that owns it; grants are announced with sharded pub/sub on that node.
+    /// MOVED/ASK redirections and failovers are followed.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use tower_distributed_limit::{RedisBackend, Semaphore};
+    ///
+    /// # async fn run() -> Result<(), tower_distributed_limit::Error> {
+    /// let redis = RedisBackend::connect_cluster(&["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"]).await?;
+    /// let sem = Semaphore::builder("llm-api").limit(20).build(redis)?;
+    /// # let _ = sem; Ok(()) }
+    /// ```
+    pub async fn connect_cluster<U: IntoConnectionInfo + Clone>(urls: &[U]) -> Result<Self, Error> {
+        Self::cluster_builder(urls).connect().await
+    }
+
+    /// Settings for a connection to a Redis Cluster through `urls`: the same options as
+    /// [`RedisBackend::builder`] (timeouts, key prefix, TLS roots).
+    pub fn cluster_builder<U: IntoConnectionInfo + Clone>(urls: &[U]) -> RedisBackendBuilder {
+        let nodes = urls
+            .iter()
+            .map(|url| url.clone().into_connection_info())
+            .collect::<Result<Vec<_>, _>>()
+            .map(Nodes::Cluster);
+        let nodes = match nodes {
+            Ok(Nodes::Cluster(infos)) if infos.is_empty() => {
+                return RedisBackendBuilder::failed(Error::config(
+                    "connect_cluster needs the URL of at least one cluster node",
+                ));
+            }
+            other => other,
+        };
+        RedisBackendBuilder::new(nodes)
+    }
+
+    /// Puts every key and channel of this backend's semaphores under `prefix` (default
+    /// `"dlimit:"`), to keep apart applications that share a Redis.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into().into();
+        self
+    }
+}
+
+impl RedisBackendBuilder {
+    fn new(nodes: Result<Nodes, RedisError>) -> Self {
         RedisBackendBuilder {
-            info: info.into_connection_info().map_err(|e| {
+            nodes: nodes.map_err(|e| {
                 Error::config(format!(
                     "not a Redis URL ({e}); expected e.g. redis://127.0.0.1:6379"
                 ))
@@ -147,19 +207,20 @@ impl RedisBackend {
         }
     }
 
-    /// Puts every key and channel of this backend's semaphores under `prefix` (default
-    /// `"dlimit:"`), to keep apart applications that share a Redis.
-    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into().into();
-        self
+    /// A builder whose `connect` fails with `error`.
+    fn failed(error: Error) -> Self {
+        let mut builder = RedisBackendBuilder::new(Ok(Nodes::Cluster(Vec::new())));
+        builder.nodes = Err(error);
+        builder
     }
 }
 
-/// Connection settings for a [`RedisBackend`]; made by [`RedisBackend::builder`].
+/// Connection settings for a [`RedisBackend`]; made by [`RedisBackend::builder`] or
+/// [`RedisBackend::cluster_builder`].
 #[derive(Debug)]
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct RedisBackendBuilder {
-    info: Result<ConnectionInfo, Error>,
+    nodes: Result<Nodes, Error>,
     call_timeout: Duration,
     connect_timeout: Duration,
     prefix: String,
@@ -247,7 +308,7 @@ impl RedisBackendBuilder {
     /// cannot be reached now (or its TLS certificate is not trusted) within the connect
     /// timeout.
     pub async fn connect(self) -> Result<RedisBackend, Error> {
-        let info = self.info?;
+        let nodes = self.nodes?;
         if self.call_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(Error::config(
                 "Redis call and connect timeouts must be more than zero",
@@ -261,56 +322,61 @@ impl RedisBackendBuilder {
                  of at least 1 ms (a zero WAIT timeout would block for ever)"
             )));
         }
-        let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
+        let infos = match &nodes {
+            Nodes::Single(info) => std::slice::from_ref(&**info),
+            Nodes::Cluster(infos) => &infos[..],
+        };
+        let tls = infos
+            .iter()
+            .filter(|info| matches!(info.addr(), ConnectionAddr::TcpTls { .. }))
+            .count();
+        if tls != 0 && tls != infos.len() {
+            return Err(Error::config(
+                "the cluster's URLs mix redis:// and rediss://; use one scheme for every node",
+            ));
+        }
+        let tls = tls != 0;
         if !self.root_certificates.is_empty() && !tls {
             return Err(Error::config(
                 "add_root_certificate_pem applies to TLS connections: use a rediss:// URL",
             ));
         }
-        let settings = info
-            .redis_settings()
-            .clone()
-            .set_protocol(ProtocolVersion::RESP3);
-        let info = info.set_redis_settings(settings);
-        let client = if tls {
+        if self.replicas.is_some() && matches!(nodes, Nodes::Cluster(_)) {
+            return Err(Error::config(
+                "wait_for_replicas is not supported on Redis Cluster yet (WAIT would not reach \
+                 the node that owns the semaphore); use it with a single master",
+            ));
+        }
+        if tls {
             // rustls needs one crypto provider for the process; ring's, unless the
             // application installed another (then this does nothing).
             let _ = rustls::crypto::ring::default_provider().install_default();
-            if self.root_certificates.is_empty() {
-                Client::open(info)
-            } else {
-                let certificates = TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(self.root_certificates),
-                };
-                Client::build_with_tls(info, certificates)
-            }
-        } else {
-            Client::open(info)
         }
-        .map_err(|e| Error::config(format!("cannot use this Redis client: {e}")))?;
+        let target = Target {
+            nodes,
+            call_timeout: self.call_timeout,
+            connect_timeout: self.connect_timeout,
+            certificates: (!self.root_certificates.is_empty()).then_some(TlsCertificates {
+                client_tls: None,
+                root_cert: Some(self.root_certificates),
+            }),
+        };
 
         let (subscribe, requests) = mpsc::unbounded_channel();
         let hub = Arc::new(Hub::new(Some(subscribe)));
         let reconnects = Arc::new(watch::Sender::new(0));
         let notify = Arc::downgrade(&hub);
         let ticks = Arc::downgrade(&reconnects);
-        let config = ConnectionManagerConfig::new()
-            .set_push_sender(move |push: PushInfo| {
-                if push.kind == PushKind::Disconnection
-                    && let Some(ticks) = ticks.upgrade()
-                {
-                    ticks.send_modify(|n| *n += 1);
-                }
-                on_push(&notify, push);
-                Ok::<(), std::convert::Infallible>(())
-            })
-            .set_automatic_resubscription()
-            .set_response_timeout(Some(self.call_timeout))
-            .set_connection_timeout(Some(self.connect_timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_with_config(client, config)
+        let pushes = move |push: PushInfo| {
+            if push.kind == PushKind::Disconnection
+                && let Some(ticks) = ticks.upgrade()
+            {
+                ticks.send_modify(|n| *n += 1);
+            }
+            on_push(&notify, push);
+            Ok::<(), std::convert::Infallible>(())
+        };
+        let conn = Conn::open(target, pushes)
             .await
             .map_err(|e| connect_error(e, tls))?;
         tokio::spawn(subscriber(conn.clone(), requests));
@@ -332,7 +398,7 @@ impl RedisBackendBuilder {
 fn on_push(hub: &Weak<Hub>, push: PushInfo) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
-        PushKind::Message => {
+        PushKind::Message | PushKind::SMessage => {
             if let [Value::BulkString(channel), Value::BulkString(grant)] = push.data.as_slice() {
                 let list = std::str::from_utf8(channel).ok().and_then(|c| hub.get(c));
                 if let (Some(list), Some((member, token, until))) = (list, parse_grant(grant)) {
@@ -356,10 +422,7 @@ fn parse_grant(grant: &[u8]) -> Option<(&str, u64, Until)> {
 
 /// Subscribes the channels waiters ask for, in order, and drops those idle for [`LINGER`].
 /// Ends when the backend and all its semaphores are gone.
-async fn subscriber(
-    mut conn: ConnectionManager,
-    mut requests: mpsc::UnboundedReceiver<Arc<Waitlist>>,
-) {
+async fn subscriber(mut conn: Conn, mut requests: mpsc::UnboundedReceiver<Arc<Waitlist>>) {
     let mut subscribed: HashMap<String, Weak<Waitlist>> = HashMap::new();
     let mut sweep = tokio::time::interval(LINGER);
     loop {
@@ -487,6 +550,7 @@ impl RedisSemaphore {
                 .arg(&self.keys[..])
                 .arg(op)
                 .arg(&self.channel)
+                .arg(self.shared.conn.publisher())
                 .arg(self.limit)
                 .arg(PATIENCE.as_millis() as u64)
                 .arg(CLAIM.as_millis() as u64)
@@ -548,7 +612,7 @@ impl RedisSemaphore {
     /// pipeline when replicas must acknowledge it; the reply, and how many acknowledged.
     async fn send(
         &self,
-        conn: &mut ConnectionManager,
+        conn: &mut Conn,
         command: &Cmd,
         confirm: bool,
     ) -> RedisResult<(Value, Option<i64>)> {

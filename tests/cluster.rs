@@ -1,0 +1,294 @@
+//! Redis Cluster: a real 3-master cluster (redis-test's spawner and `redis-cli --cluster
+//! create`). Each semaphore lives in its hash slot's node, whichever node a client first
+//! connected to; grants reach waiters through sharded pub/sub, with no polling; the limit
+//! holds across two OS processes; a cluster URL list that is wrong is a clear error.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis_test::cluster::{RedisCluster, RedisClusterConfiguration};
+use tokio::time::Instant;
+use tower_distributed_limit::{Error, RedisBackend, Semaphore};
+
+use support::{Redis, child_role, child_says, spawn_child_with};
+
+/// A 3-master cluster, stopped when dropped; `urls[i]` is node `i`.
+struct Cluster {
+    _cluster: RedisCluster,
+    urls: Vec<String>,
+}
+
+impl Cluster {
+    async fn start() -> Cluster {
+        let cluster =
+            tokio::task::spawn_blocking(|| RedisCluster::new(RedisClusterConfiguration::default()))
+                .await
+                .unwrap();
+        let urls = cluster
+            .iter_servers()
+            .map(|server| {
+                let (host, port) = server.host_and_port().expect("TCP nodes");
+                assert_ne!(port, 6379);
+                format!("redis://{host}:{port}")
+            })
+            .collect();
+        Cluster {
+            _cluster: cluster,
+            urls,
+        }
+    }
+
+    async fn conn(&self) -> ClusterConnection {
+        ClusterClient::new(self.urls.clone())
+            .unwrap()
+            .get_async_connection()
+            .await
+            .unwrap()
+    }
+
+    /// The node (index into `urls`) that owns `key`'s slot.
+    async fn owner(&self, key: &str) -> usize {
+        let mut conn = self.conn().await;
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let ranges: Vec<(u16, u16, (String, u16))> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async::<Vec<redis::Value>>(&mut conn)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|range| redis::from_redis_value(range).unwrap())
+            .map(|(start, end, master): (u16, u16, Vec<redis::Value>)| {
+                let (host, port): (String, u16) =
+                    redis::from_redis_value(redis::Value::Array(master[..2].to_vec())).unwrap();
+                (start, end, (host, port))
+            })
+            .collect();
+        let (_, _, (host, port)) = ranges
+            .into_iter()
+            .find(|(start, end, _)| (*start..=*end).contains(&slot))
+            .expect("every slot is served");
+        let url = format!("redis://{host}:{port}");
+        self.urls
+            .iter()
+            .position(|u| *u == url)
+            .expect("a known node")
+    }
+
+    /// One semaphore name per node: `names[i]` lives on node `i`.
+    async fn one_name_per_node(&self) -> Vec<String> {
+        let mut names: BTreeMap<usize, String> = BTreeMap::new();
+        for i in 0.. {
+            let name = format!("sem-{i}");
+            let owner = self.owner(&format!("dlimit:{{{name}}}:holders")).await;
+            names.entry(owner).or_insert(name);
+            if names.len() == self.urls.len() {
+                break;
+            }
+        }
+        names.into_values().collect()
+    }
+
+    /// How many times node `node` ran EVALSHA so far.
+    async fn evalsha_calls(&self, node: usize) -> u64 {
+        let client = redis::Client::open(self.urls[node].as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        info.lines()
+            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |calls| calls.parse().unwrap())
+    }
+}
+
+fn semaphore(name: &str, backend: RedisBackend) -> Semaphore {
+    Semaphore::builder(name)
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .build(backend)
+        .unwrap()
+}
+
+/// Two clients that each know only one node, on semaphores owned by every node: one limit,
+/// and a release wakes the waiter through the owner's sharded channel, not a timer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_node_holds_its_semaphores_and_wakes_their_waiters() {
+    let cluster = Cluster::start().await;
+    let names = cluster.one_name_per_node().await;
+    let first = RedisBackend::connect_cluster(&cluster.urls[..1])
+        .await
+        .unwrap();
+    let second = RedisBackend::connect_cluster(&cluster.urls[2..])
+        .await
+        .unwrap();
+    for (node, name) in names.iter().enumerate() {
+        let holder = semaphore(name, first.clone());
+        let waiter = semaphore(name, second.clone());
+        let held = holder.acquire().await.unwrap();
+        assert!(
+            waiter.try_acquire().await.unwrap().is_none(),
+            "{name}: one limit"
+        );
+        let calls = cluster.evalsha_calls(node).await;
+        let waiting = tokio::spawn(async move {
+            let permit = waiter.acquire().await;
+            (permit, Instant::now())
+        });
+        // Waiting costs no round trips beyond the line's refresh (once a second).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let during = cluster.evalsha_calls(node).await - calls;
+        assert!(
+            during <= 4,
+            "{name}: {during} script calls while one waiter waited 1.5 s"
+        );
+        let released = Instant::now();
+        drop(held);
+        let (permit, woken) = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the waiter is served")
+            .unwrap();
+        let permit = permit.unwrap();
+        // The line's own refresh comes a second apart; the announcement much sooner.
+        let after = woken - released;
+        assert!(
+            after < Duration::from_millis(600),
+            "{name}: woken {after:?} after the release"
+        );
+        drop(permit);
+    }
+}
+
+/// The child: hammers one semaphore per node, counting holders in the owner's slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "runs only as a child process of the other tests"]
+async fn child_process() {
+    let Some((role, urls)) = child_role() else {
+        return;
+    };
+    assert_eq!(role, "hammer", "unknown role");
+    let urls: Vec<&str> = urls.split(',').collect();
+    let max = hammer(&urls).await;
+    println!("DLIMIT max {max}");
+}
+
+/// The semaphores the processes hammer: between them, on every node of a 3-master cluster.
+const NAMES: [&str; 6] = ["sem-0", "sem-1", "sem-2", "sem-3", "sem-4", "sem-5"];
+
+/// 6 tasks × 15 rounds on every node's semaphore (limit 2), each hold counted with INCR/DECR
+/// on a key in the semaphore's slot; the largest count seen.
+async fn hammer(urls: &[&str]) -> i64 {
+    let backend = RedisBackend::connect_cluster(urls).await.unwrap();
+    let conn = ClusterClient::new(urls.to_vec())
+        .unwrap()
+        .get_async_connection()
+        .await
+        .unwrap();
+    let max = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for name in NAMES {
+        let sem = Semaphore::builder(name)
+            .limit(2)
+            .acquire_timeout(Duration::from_secs(20))
+            .build(backend.clone())
+            .unwrap();
+        for _ in 0..6 {
+            let (sem, mut conn, max) = (sem.clone(), conn.clone(), max.clone());
+            let counter = format!("obs:{{{name}}}");
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..15 {
+                    let permit = sem.acquire().await.unwrap();
+                    let now: i64 = redis::cmd("INCR")
+                        .arg(&counter)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    max.fetch_max(now as usize, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                    let _: i64 = redis::cmd("DECR")
+                        .arg(&counter)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    drop(permit);
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    max.load(Ordering::SeqCst) as i64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_limit_holds_across_two_processes_on_every_node() {
+    let cluster = Cluster::start().await;
+    let mut owners = std::collections::BTreeSet::new();
+    for name in NAMES {
+        owners.insert(cluster.owner(&format!("dlimit:{{{name}}}:holders")).await);
+    }
+    assert_eq!(owners.len(), 3, "the hammered semaphores span every node");
+    let urls = cluster.urls.join(",");
+    let mut child = spawn_child_with("hammer", &urls);
+    let urls: Vec<&str> = cluster.urls.iter().map(String::as_str).collect();
+    let ours = hammer(&urls).await;
+    let theirs: i64 = child_says(&mut child)
+        .await
+        .strip_prefix("max ")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        ours <= 2 && theirs <= 2,
+        "above the limit: {ours} / {theirs}"
+    );
+    assert!(ours.max(theirs) == 2, "the holders never overlapped");
+    assert!(child.wait().await.unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_cluster_urls_are_clear_errors_within_the_connect_timeout() {
+    let bound = Duration::from_secs(10);
+    // Nothing listens there.
+    let started = Instant::now();
+    let err = RedisBackend::cluster_builder(&["redis://127.0.0.1:1"])
+        .connect_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend(_)), "{err:?}");
+    assert!(started.elapsed() < bound, "{:?}", started.elapsed());
+    // A plain, non-cluster server.
+    let plain = Redis::start().await;
+    let started = Instant::now();
+    let err = RedisBackend::cluster_builder(&[plain.url.as_str()])
+        .connect_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend(_)), "{err:?}");
+    assert!(err.to_string().contains("cluster"), "{err}");
+    assert!(started.elapsed() < bound, "{:?}", started.elapsed());
+    // No URL at all, or a mix of TLS and plain nodes.
+    let none: [&str; 0] = [];
+    let err = RedisBackend::connect_cluster(&none).await.unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    let err = RedisBackend::connect_cluster(&["redis://127.0.0.1:1", "rediss://127.0.0.1:2"])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+}
