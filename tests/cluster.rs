@@ -292,3 +292,174 @@ async fn bad_cluster_urls_are_clear_errors_within_the_connect_timeout() {
         .unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err:?}");
 }
+
+/// A 3-master cluster with a replica each, for failovers.
+struct ReplicatedCluster {
+    cluster: RedisCluster,
+    urls: Vec<String>,
+}
+
+impl ReplicatedCluster {
+    async fn start() -> ReplicatedCluster {
+        let cluster = tokio::task::spawn_blocking(|| {
+            RedisCluster::new(RedisClusterConfiguration::single_replica_config())
+        })
+        .await
+        .unwrap();
+        let urls = cluster
+            .iter_servers()
+            .map(|server| {
+                let (host, port) = server.host_and_port().expect("TCP nodes");
+                format!("redis://{host}:{port}")
+            })
+            .collect();
+        ReplicatedCluster { cluster, urls }
+    }
+
+    async fn node(&self, index: usize) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.urls[index].as_str())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    /// The master that owns `key`, and its replica (indexes into `urls`).
+    async fn master_and_replica_of(&self, key: &str) -> (usize, usize) {
+        let mut master = None;
+        for index in 0..self.urls.len() {
+            let mut node = self.node(index).await;
+            let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut node).await.unwrap();
+            let is_master = matches!(&role[0], redis::Value::BulkString(r) if r == b"master");
+            let slot: u16 = redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(key)
+                .query_async(&mut node)
+                .await
+                .unwrap();
+            let nodes: String = redis::cmd("CLUSTER")
+                .arg("NODES")
+                .query_async(&mut node)
+                .await
+                .unwrap();
+            let myself = nodes.lines().find(|line| line.contains("myself")).unwrap();
+            let serves = myself.split(' ').skip(8).any(|range| {
+                let mut bounds = range
+                    .split('-')
+                    .map(|b| b.parse::<u16>().unwrap_or(u16::MAX));
+                let start = bounds.next().unwrap_or(u16::MAX);
+                let end = bounds.next().unwrap_or(start);
+                (start..=end).contains(&slot)
+            });
+            if is_master && serves {
+                master = Some((index, myself.split(' ').next().unwrap().to_owned()));
+            }
+        }
+        let (master, id) = master.expect("a master owns the slot");
+        for index in 0..self.urls.len() {
+            let mut node = self.node(index).await;
+            let nodes: String = redis::cmd("CLUSTER")
+                .arg("NODES")
+                .query_async(&mut node)
+                .await
+                .unwrap();
+            let myself = nodes.lines().find(|line| line.contains("myself")).unwrap();
+            if myself.split(' ').nth(3) == Some(id.as_str()) {
+                return (master, index);
+            }
+        }
+        panic!("the master has no replica");
+    }
+
+    /// Makes `replica` take over, and waits until it serves as master.
+    async fn fail_over(&self, replica: usize, takeover: bool) {
+        let mut node = self.node(replica).await;
+        let mut command = redis::cmd("CLUSTER");
+        command.arg("FAILOVER");
+        if takeover {
+            command.arg("TAKEOVER");
+        }
+        command.exec_async(&mut node).await.unwrap();
+        support::eventually(Duration::from_secs(20), "the replica to be master", || {
+            let mut node = node.clone();
+            async move {
+                let role: Vec<redis::Value> =
+                    redis::cmd("ROLE").query_async(&mut node).await.unwrap();
+                matches!(&role[0], redis::Value::BulkString(r) if r == b"master")
+            }
+        })
+        .await;
+    }
+
+    fn pid(&self, index: usize) -> u32 {
+        self.cluster.servers[index].process.id()
+    }
+}
+
+/// A planned failover of the node that owns a semaphore: the replicated holder keeps its
+/// permit, the limit holds, and the waiter is served afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_keeps_replicated_permits_and_waiters() {
+    let cluster = ReplicatedCluster::start().await;
+    let (_, replica) = cluster
+        .master_and_replica_of("dlimit:{moving}:holders")
+        .await;
+    let backend = RedisBackend::connect_cluster(&cluster.urls).await.unwrap();
+    let sem = Semaphore::builder("moving")
+        .limit(1)
+        .lease(Duration::from_secs(2))
+        .acquire_timeout(Duration::from_secs(15))
+        .build(backend.clone())
+        .unwrap();
+    let held = sem.acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire().await }
+    });
+    cluster.fail_over(replica, false).await;
+    // Longer than the lease: only renewals on the new master keep the permit.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !held.is_lost(),
+        "the replicated permit survived the failover"
+    );
+    assert!(!waiter.is_finished(), "the limit held across the failover");
+    drop(held);
+    let permit = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter is served after the failover")
+        .unwrap()
+        .unwrap();
+    assert!(!permit.is_lost());
+}
+
+/// A grant the replica never saw (it was frozen), then the replica takes over: the new master
+/// does not know the holder, and its next renewal reports it lost instead of adding it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_lost_in_a_failover_is_reported_lost() {
+    let cluster = ReplicatedCluster::start().await;
+    let (master, replica) = cluster
+        .master_and_replica_of("dlimit:{unseen}:holders")
+        .await;
+    let backend = RedisBackend::connect_cluster(&cluster.urls).await.unwrap();
+    let sem = Semaphore::builder("unseen")
+        .limit(1)
+        .lease(Duration::from_secs(3))
+        .build(backend)
+        .unwrap();
+    support::signal(cluster.pid(replica), "STOP");
+    let held = sem.acquire().await.unwrap();
+    support::signal(cluster.pid(master), "STOP");
+    support::signal(cluster.pid(replica), "CONT");
+    cluster.fail_over(replica, true).await;
+    tokio::time::timeout(Duration::from_secs(10), held.lost())
+        .await
+        .expect("the holder the new master never saw is lost");
+    support::signal(cluster.pid(master), "CONT");
+    // The new master serves the semaphore.
+    let again = tokio::time::timeout(Duration::from_secs(10), sem.acquire())
+        .await
+        .expect("bounded")
+        .expect("the new master grants");
+    drop(again);
+}

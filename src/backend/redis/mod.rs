@@ -26,8 +26,9 @@ use crate::Error;
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{CLAIM, ClockReading, Hub, PATIENCE, Refresh, Status, Until, Waitlist};
 
-static SCRIPT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/semaphore.lua")));
+/// Every operation on a semaphore, in one script; sent by SHA once the server knows it.
+const SOURCE: &str = include_str!("../lua/semaphore.lua");
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SOURCE));
 
 /// How long a channel stays subscribed after its last local waiter left, so a semaphore that
 /// is full on and off does not subscribe and unsubscribe on every wait.
@@ -542,10 +543,20 @@ impl RedisSemaphore {
             members: std::mem::take(&mut self.unsent().members),
             settled: false,
         };
-        let command = |repeat: bool| {
-            let mut command = redis::cmd("EVALSHA");
+        // By SHA; with the whole source (`EVAL`, which also caches it) when the server does
+        // not know the script: routed by key like the call itself, so on a cluster it never
+        // waits for the other nodes, as `SCRIPT LOAD` to every node would.
+        let command = |repeat: bool, source: bool| {
+            let mut command = if source {
+                let mut command = redis::cmd("EVAL");
+                command.arg(SOURCE);
+                command
+            } else {
+                let mut command = redis::cmd("EVALSHA");
+                command.arg(SCRIPT.get_hash());
+                command
+            };
             command
-                .arg(SCRIPT.get_hash())
                 .arg(self.keys.len())
                 .arg(&self.keys[..])
                 .arg(op)
@@ -568,7 +579,9 @@ impl RedisSemaphore {
         let confirm = matches!(op, "acquire" | "touch" | "renew");
         let until = until.unwrap_or_else(|| Instant::now() + self.shared.call_timeout);
         let mut conn = self.shared.conn.clone();
-        let mut result = self.send(&mut conn, &command(false), confirm).await;
+        let mut result = self
+            .send(&mut conn, |source| command(false, source), confirm)
+            .await;
         let mut dropped_once = false;
         let mut pause = Duration::from_millis(10);
         loop {
@@ -581,7 +594,9 @@ impl RedisSemaphore {
                 }
                 _ => break,
             }
-            result = self.send(&mut conn, &command(true), confirm).await;
+            result = self
+                .send(&mut conn, |source| command(true, source), confirm)
+                .await;
         }
         carried.settled = true;
         let result = result
@@ -608,21 +623,23 @@ impl RedisSemaphore {
         result
     }
 
-    /// Sends one script call (loading the script on `NOSCRIPT`), with `WAIT` in the same
-    /// pipeline when replicas must acknowledge it; the reply, and how many acknowledged.
+    /// Sends one script call (with its source on `NOSCRIPT`), with `WAIT` in the same pipeline
+    /// when replicas must acknowledge it; the reply, and how many acknowledged.
     async fn send(
         &self,
         conn: &mut Conn,
-        command: &Cmd,
+        command: impl Fn(bool) -> Cmd,
         confirm: bool,
     ) -> RedisResult<(Value, Option<i64>)> {
         let replicas = self.shared.replicas.filter(|_| confirm);
-        for _ in 0..2 {
+        let mut source = false;
+        loop {
+            let command = command(source);
             let result = match replicas {
                 None => command.query_async(conn).await.map(|reply| (reply, None)),
                 Some(Replicas { count, timeout }) => {
                     let mut pipe = redis::pipe();
-                    pipe.add_command(command.clone())
+                    pipe.add_command(command)
                         .cmd("WAIT")
                         .arg(count)
                         .arg(timeout.as_millis() as u64);
@@ -632,16 +649,12 @@ impl RedisSemaphore {
                 }
             };
             match result {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    SCRIPT.prepare_invoke().load_async(conn).await?;
+                Err(e) if !source && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    source = true;
                 }
                 other => return other,
             }
         }
-        Err(RedisError::from((
-            ErrorKind::Client,
-            "the semaphore script vanished twice right after being loaded",
-        )))
     }
 
     /// Sends the waiting releases, if no other call took them meanwhile.
