@@ -165,6 +165,49 @@ impl RedisBackend {
         Self::cluster_builder(urls).connect().await
     }
 
+    /// Connects to the master that the Sentinels at `sentinels` watch under `master_name`,
+    /// with the default settings of [`RedisBackend::sentinel_builder`]. A call that cannot
+    /// reach the master, or finds it demoted (`READONLY`), asks the Sentinels again and
+    /// follows a failover: subscriptions move along, waiters check their line and holders
+    /// renew at once (a grant the new master never received is reported lost).
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use tower_distributed_limit::RedisBackend;
+    ///
+    /// # async fn run() -> Result<(), tower_distributed_limit::Error> {
+    /// let redis = RedisBackend::connect_sentinel(&["redis://10.0.0.1:26379"], "mymaster").await?;
+    /// # let _ = redis; Ok(()) }
+    /// ```
+    pub async fn connect_sentinel<U: IntoConnectionInfo + Clone>(
+        sentinels: &[U],
+        master_name: &str,
+    ) -> Result<Self, Error> {
+        Self::sentinel_builder(sentinels, master_name)
+            .connect()
+            .await
+    }
+
+    /// Settings for a connection through Sentinel: the same options as
+    /// [`RedisBackend::builder`] (timeouts, key prefix, replicas).
+    pub fn sentinel_builder<U: IntoConnectionInfo + Clone>(
+        sentinels: &[U],
+        master_name: &str,
+    ) -> RedisBackendBuilder {
+        if sentinels.is_empty() || master_name.is_empty() {
+            return RedisBackendBuilder::failed(Error::config(
+                "connect_sentinel needs the URL of at least one sentinel and the master's name",
+            ));
+        }
+        let nodes = sentinels
+            .iter()
+            .map(|url| url.clone().into_connection_info())
+            .collect::<Result<Vec<_>, _>>()
+            .map(|infos| Nodes::Sentinel(infos, master_name.to_owned()));
+        RedisBackendBuilder::new(nodes)
+    }
+
     /// Settings for a connection to a Redis Cluster through `urls`: the same options as
     /// [`RedisBackend::builder`] (timeouts, key prefix, TLS roots).
     pub fn cluster_builder<U: IntoConnectionInfo + Clone>(urls: &[U]) -> RedisBackendBuilder {
@@ -325,7 +368,7 @@ impl RedisBackendBuilder {
         }
         let infos = match &nodes {
             Nodes::Single(info) => std::slice::from_ref(&**info),
-            Nodes::Cluster(infos) => &infos[..],
+            Nodes::Cluster(infos) | Nodes::Sentinel(infos, _) => &infos[..],
         };
         let tls = infos
             .iter()
@@ -368,18 +411,30 @@ impl RedisBackendBuilder {
         let reconnects = Arc::new(watch::Sender::new(0));
         let notify = Arc::downgrade(&hub);
         let ticks = Arc::downgrade(&reconnects);
-        let pushes = move |push: PushInfo| {
+        let pushes = Arc::new(move |push: PushInfo| {
             if push.kind == PushKind::Disconnection
                 && let Some(ticks) = ticks.upgrade()
             {
                 ticks.send_modify(|n| *n += 1);
             }
             on_push(&notify, push);
-            Ok::<(), std::convert::Infallible>(())
+        });
+        let master = match &target.nodes {
+            Nodes::Sentinel(_, master) => Some(master.clone()),
+            _ => None,
         };
         let conn = Conn::open(target, pushes)
             .await
-            .map_err(|e| connect_error(e, tls))?;
+            .map_err(|e| match &master {
+                Some(master) => Error::backend(
+                    format!(
+                        "cannot reach the master {master:?} through the sentinels ({e}); check the \
+                     sentinel URLs, that they monitor a master of that name, and that it is up"
+                    ),
+                    Some(Box::new(e) as _),
+                ),
+                None => connect_error(e, tls),
+            })?;
         tokio::spawn(subscriber(conn.clone(), requests));
         Ok(RedisBackend {
             shared: Arc::new(Connection {
