@@ -7,6 +7,8 @@
 //! RUST_CLIENT=$PWD/target/release/examples/bench_client ../shared/bench/run.sh
 //! ```
 //!
+//! `--cluster-urls a,b,c` runs the semaphore on a Redis Cluster (see `scripts/bench-topologies`).
+//!
 //! Round trips are counted from the crate's own `trace!` event per Redis command (target
 //! `tower_distributed_limit::redis`), plus the observer's INCR/DECR.
 
@@ -139,7 +141,16 @@ async fn load(url: &str, args: &Args) -> serde_json::Value {
     let start_at_ms = num(args, "start-at-ms", 0.0);
     let observe_key = args.get("observe-key").cloned().unwrap_or_default();
 
-    let backend = RedisBackend::connect(url).await.expect("connect to Redis");
+    // `--cluster-urls a,b,c` (scripts/bench-topologies): the semaphore lives on a Redis
+    // Cluster; the harness and the observer talk to the node at --host/--port.
+    let backend = match args.get("cluster-urls") {
+        Some(urls) => {
+            let urls: Vec<&str> = urls.split(',').collect();
+            RedisBackend::connect_cluster(&urls).await
+        }
+        None => RedisBackend::connect(url).await,
+    }
+    .expect("connect to Redis");
     let sem = Semaphore::builder(key)
         .limit(limit)
         .acquire_timeout(acquire_timeout)
