@@ -433,8 +433,9 @@ async fn a_failover_keeps_replicated_permits_and_waiters() {
     assert!(!permit.is_lost());
 }
 
-/// A grant the replica never saw (it was frozen), then the replica takes over: the new master
-/// does not know the holder, and its next renewal reports it lost instead of adding it back.
+/// A grant the replica never saw (it was frozen and cut off), then the master dies and the
+/// replica takes over: the new master does not know the holder, and its next renewal reports it
+/// lost (long before its 60 s lease would end) instead of adding it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_lost_in_a_failover_is_reported_lost() {
     let cluster = ReplicatedCluster::start().await;
@@ -444,18 +445,32 @@ async fn a_grant_lost_in_a_failover_is_reported_lost() {
     let backend = RedisBackend::connect_cluster(&cluster.urls).await.unwrap();
     let sem = Semaphore::builder("unseen")
         .limit(1)
-        .lease(Duration::from_secs(3))
+        .lease(Duration::from_secs(60))
         .build(backend)
         .unwrap();
+    sem.acquire().await.unwrap().release().await.unwrap(); // the script is loaded
+    // The replica, frozen, is cut off (so not even the kernel's socket buffer carries the
+    // grant to it); the grant then goes to the master alone.
     support::signal(cluster.pid(replica), "STOP");
+    redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("replica")
+        .exec_async(&mut cluster.node(master).await)
+        .await
+        .unwrap();
     let held = sem.acquire().await.unwrap();
-    support::signal(cluster.pid(master), "STOP");
+    // The master dies with the grant (a frozen master would leave redis-rs's cluster client
+    // waiting on it: it refreshes its slot map on connection errors, not on timeouts).
+    support::signal(cluster.pid(master), "KILL");
     support::signal(cluster.pid(replica), "CONT");
     cluster.fail_over(replica, true).await;
-    tokio::time::timeout(Duration::from_secs(10), held.lost())
+    // The next call through the backend follows the slot to the new master, and the holder's
+    // renewal there finds it unknown: lost, long before its 60 s lease would end.
+    let _ = sem.available_permits().await;
+    tokio::time::timeout(Duration::from_secs(25), held.lost())
         .await
         .expect("the holder the new master never saw is lost");
-    support::signal(cluster.pid(master), "CONT");
     // The new master serves the semaphore.
     let again = tokio::time::timeout(Duration::from_secs(10), sem.acquire())
         .await

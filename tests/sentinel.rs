@@ -16,7 +16,7 @@ use support::eventually;
 const MASTER: &str = "master0";
 
 struct Sentinels {
-    _cluster: RedisSentinelCluster,
+    cluster: RedisSentinelCluster,
     urls: Vec<String>,
 }
 
@@ -32,10 +32,7 @@ impl Sentinels {
                 format!("redis://{host}:{port}")
             })
             .collect();
-        Sentinels {
-            _cluster: cluster,
-            urls,
-        }
+        Sentinels { cluster, urls }
     }
 
     async fn sentinel(&self) -> redis::aio::MultiplexedConnection {
@@ -44,6 +41,43 @@ impl Sentinels {
             .get_multiplexed_async_connection()
             .await
             .unwrap()
+    }
+
+    /// The data server (index into the cluster's servers) at `addr` (host, port).
+    fn server_at(&self, addr: &[String]) -> usize {
+        let port: u16 = addr[1].parse().unwrap();
+        self.cluster
+            .servers
+            .iter()
+            .position(|server| server.host_and_port().map(|(_, p)| p) == Some(port))
+            .expect("a known server")
+    }
+
+    /// Closes the master's connections to its replicas.
+    async fn cut_off_replicas(&self, master: usize) {
+        let (host, port) = self.cluster.servers[master].host_and_port().unwrap();
+        let mut conn = redis::Client::open(format!("redis://{host}:{port}"))
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("replica")
+            .exec_async(&mut conn)
+            .await
+            .unwrap();
+    }
+
+    fn other_than(&self, server: usize) -> usize {
+        (0..self.cluster.servers.len())
+            .find(|&other| other != server)
+            .unwrap()
+    }
+
+    fn pid(&self, server: usize) -> u32 {
+        self.cluster.servers[server].process.id()
     }
 
     async fn master_addr(&self) -> Vec<String> {
@@ -150,4 +184,61 @@ async fn an_unknown_master_name_is_a_clear_error() {
         RedisBackend::connect_sentinel(&none, MASTER).await,
         Err(Error::Config(_))
     ));
+}
+
+/// A grant the replica never received (it was frozen), then a forced failover to it: the new
+/// master does not know the holder, and the holder is told it lost its permit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_lost_in_a_failover_is_reported_lost() {
+    let sentinels = Sentinels::start().await;
+    let backend = RedisBackend::sentinel_builder(&sentinels.urls, MASTER)
+        .call_timeout(Duration::from_millis(500))
+        .connect()
+        .await
+        .unwrap();
+    let sem = Semaphore::builder("unseen")
+        .limit(1)
+        .lease(Duration::from_secs(60))
+        .acquire_timeout(Duration::from_secs(10))
+        .build(backend)
+        .unwrap();
+    sem.acquire().await.unwrap().release().await.unwrap(); // the script is loaded
+    let master = sentinels.server_at(&sentinels.master_addr().await);
+    let replica = sentinels.other_than(master);
+    // The replica, frozen, is cut off (so not even the kernel's socket buffer carries the
+    // grant to it); the grant then goes to the master alone.
+    support::signal(sentinels.pid(replica), "STOP");
+    sentinels.cut_off_replicas(master).await;
+    let held = sem.acquire().await.unwrap();
+    support::signal(sentinels.pid(master), "STOP");
+    support::signal(sentinels.pid(replica), "CONT");
+    let before = sentinels.master_addr().await;
+    // Until the sentinels have seen the thawed replica answer again, they find no replica to
+    // promote (NOGOODSLAVE).
+    eventually(
+        Duration::from_secs(20),
+        "the sentinels to start a failover",
+        || async {
+            redis::cmd("SENTINEL")
+                .arg("FAILOVER")
+                .arg(MASTER)
+                .exec_async(&mut sentinels.sentinel().await)
+                .await
+                .is_ok()
+        },
+    )
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "the sentinels to name a new master",
+        || async { sentinels.master_addr().await != before },
+    )
+    .await;
+    // Any call through the backend (here: asking how many permits are free) finds the old
+    // master gone, follows the sentinels to the new one, and makes holders renew at once.
+    let _ = sem.available_permits().await;
+    tokio::time::timeout(Duration::from_secs(10), held.lost())
+        .await
+        .expect("the holder the new master never saw is lost, long before its lease ends");
+    support::signal(sentinels.pid(master), "CONT");
 }
