@@ -69,7 +69,9 @@ mod semaphore;
 mod sync;
 mod waitlist;
 
-pub use backend::{Backend, MemoryBackend, RedisBackend, RedisBackendBuilder};
+pub use backend::{
+    Backend, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend, RedisBackendBuilder,
+};
 pub use error::{BackendError, Error};
 pub use layer::{
     DistributedConcurrencyLimitLayer, FencingToken, HttpConcurrencyLimitLayer, Partitions,

@@ -5,10 +5,12 @@
 //! touch that waiting needs) from `store.rs`, then list it below.
 
 mod memory;
+mod quorum;
 mod redis;
 mod store;
 
 pub use self::memory::MemoryBackend;
+pub use self::quorum::{QuorumBackend, QuorumBackendBuilder};
 pub use self::redis::{RedisBackend, RedisBackendBuilder};
 pub(crate) use self::store::{Attempt, Member, Mode, Opened, Store, sealed};
 
@@ -33,3 +35,4 @@ pub trait Backend: sealed::Open + Send + Sync + 'static {}
 
 impl Backend for MemoryBackend {}
 impl Backend for RedisBackend {}
+impl Backend for QuorumBackend {}

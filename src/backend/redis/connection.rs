@@ -21,7 +21,7 @@ use redis::{
 use crate::sync::lock;
 
 /// Where pushes go: grant announcements and lost connections.
-pub(super) type Pushes = Arc<dyn Fn(PushInfo) + Send + Sync>;
+pub(in crate::backend) type Pushes = Arc<dyn Fn(PushInfo) + Send + Sync>;
 
 /// Where the backend connects, with the timeouts every call and connection attempt get.
 pub(super) struct Target {
@@ -197,14 +197,28 @@ impl ConnectionLike for Conn {
 }
 
 /// A connection manager for one node, sending its pushes to `pushes`.
-async fn manager(
+pub(in crate::backend) async fn manager(
     client: Client,
     pushes: &Pushes,
     call_timeout: Duration,
     connect_timeout: Duration,
 ) -> RedisResult<ConnectionManager> {
+    ConnectionManager::new_with_config(
+        client,
+        manager_config(pushes, call_timeout, connect_timeout),
+    )
+    .await
+}
+
+/// How every connection manager of the crate is set up: pushes to `pushes`, subscriptions
+/// restored after a reconnect, and bounded calls and connection attempts.
+pub(in crate::backend) fn manager_config(
+    pushes: &Pushes,
+    call_timeout: Duration,
+    connect_timeout: Duration,
+) -> ConnectionManagerConfig {
     let pushes = pushes.clone();
-    let config = ConnectionManagerConfig::new()
+    ConnectionManagerConfig::new()
         .set_push_sender(move |push: PushInfo| {
             pushes(push);
             Ok::<(), std::convert::Infallible>(())
@@ -213,8 +227,7 @@ async fn manager(
         .set_response_timeout(Some(call_timeout))
         .set_connection_timeout(Some(connect_timeout))
         .set_number_of_retries(2)
-        .set_max_delay(Duration::from_millis(500));
-    ConnectionManager::new_with_config(client, config).await
+        .set_max_delay(Duration::from_millis(500))
 }
 
 /// The master Sentinel names, followed across failovers: a call that fails to reach it, or

@@ -8,12 +8,14 @@
 //! along with the semaphore's next call.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 mod connection;
 
 use self::connection::{Conn, Nodes, Target};
+pub(super) use self::connection::{Pushes, manager_config};
 use redis::{
     Client, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, PushInfo, PushKind, RedisError,
     RedisResult, Script, ServerErrorKind, TlsCertificates, Value,
@@ -451,14 +453,18 @@ impl RedisBackendBuilder {
 
 /// Routes a push from the connection: a grant goes to the waiter it names; a lost connection
 /// may have swallowed grants, so every waitlist checks its line.
-fn on_push(hub: &Weak<Hub>, push: PushInfo) {
+pub(super) fn on_push(hub: &Weak<Hub>, push: PushInfo) {
     let Some(hub) = hub.upgrade() else { return };
     match push.kind {
         PushKind::Message | PushKind::SMessage => {
-            if let [Value::BulkString(channel), Value::BulkString(grant)] = push.data.as_slice() {
-                let list = std::str::from_utf8(channel).ok().and_then(|c| hub.get(c));
-                if let (Some(list), Some((member, token, until))) = (list, parse_grant(grant)) {
-                    list.grant(member, token, until);
+            if let [Value::BulkString(channel), Value::BulkString(news)] = push.data.as_slice() {
+                let Some(list) = std::str::from_utf8(channel).ok().and_then(|c| hub.get(c)) else {
+                    return;
+                };
+                match parse_grant(news) {
+                    Some((member, token, until)) => list.grant(member, token, until),
+                    // Not a grant (a quorum node freed a slot): the waiters check again.
+                    None => list.touch_soon(),
                 }
             }
         }
@@ -476,9 +482,28 @@ fn parse_grant(grant: &[u8]) -> Option<(&str, u64, Until)> {
     Some((member, token, Until::Server(deadline_ms.checked_mul(1000)?)))
 }
 
+/// Whatever carries a backend's subscriptions: one connection, or one per node.
+pub(super) trait Channels: Send + 'static {
+    fn subscribe(&mut self, channel: &str) -> impl Future<Output = RedisResult<()>> + Send;
+    fn unsubscribe(&mut self, channels: &[String]) -> impl Future<Output = RedisResult<()>> + Send;
+}
+
+impl Channels for Conn {
+    fn subscribe(&mut self, channel: &str) -> impl Future<Output = RedisResult<()>> + Send {
+        Conn::subscribe(self, channel)
+    }
+
+    fn unsubscribe(&mut self, channels: &[String]) -> impl Future<Output = RedisResult<()>> + Send {
+        Conn::unsubscribe(self, channels)
+    }
+}
+
 /// Subscribes the channels waiters ask for, in order, and drops those idle for [`LINGER`].
 /// Ends when the backend and all its semaphores are gone.
-async fn subscriber(mut conn: Conn, mut requests: mpsc::UnboundedReceiver<Arc<Waitlist>>) {
+pub(super) async fn subscriber(
+    mut conn: impl Channels,
+    mut requests: mpsc::UnboundedReceiver<Arc<Waitlist>>,
+) {
     let mut subscribed: HashMap<String, Weak<Waitlist>> = HashMap::new();
     let mut sweep = tokio::time::interval(LINGER);
     loop {

@@ -1,0 +1,133 @@
+-- One node's part of a semaphore kept by a quorum of independent masters (QuorumBackend).
+-- The limit's L permits are L slots; each slot is a lease-based mutex on every node, and a
+-- holder owns a slot only when it took that same slot on a majority of nodes. Times come from
+-- this node's clock.
+--
+-- KEYS[1] owned:   zset, slot -> lease deadline (ms)
+-- KEYS[2] owner:   hash, slot -> member
+-- KEYS[3] counter: hash, slot -> last fencing value given out for the slot on this node
+-- KEYS[4] born:    string, when this node's data began (ms); see `take`
+--
+-- ARGV: operation, channel, limit, then:
+--   free                          -> {earliest deadline in ms from now or 0, free slot...}
+--   take <member> <lease ms> <slot>...
+--        -> {1, counter...} (took every slot) | {0} (one was taken) | {2, ms} (abstaining)
+--   seal <member> <value> <slot>...   -> how many of the member's slots now count >= value
+--   renew <member> <lease ms> <slot>... -> how many of the member's slots were extended
+--   release <member> <slot>...        -> how many were released (announced on the channel)
+--   used                          -> how many slots are held
+--
+-- `born` is set the first time this node serves any semaphore and never expires. A node
+-- whose data is younger than a lease abstains from `take`: it cannot tell a first start from
+-- a restart that forgot the slots it had granted, and those grants end within a lease.
+local owned, owner, counter, born_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local op, channel, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+
+local time = redis.call('TIME')
+local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = math.floor(now_us / 1000)
+
+local function int(n)
+  return string.format('%.0f', n)
+end
+
+-- Expired slots are free again.
+for _, slot in ipairs(redis.call('ZRANGEBYSCORE', owned, '-inf', now)) do
+  redis.call('ZREM', owned, slot)
+  redis.call('HDEL', owner, slot)
+end
+
+-- The member's slots among `from`.. of ARGV, as a list.
+local function mine(member, from)
+  local slots = {}
+  for i = from, #ARGV do
+    if redis.call('HGET', owner, ARGV[i]) == member then
+      table.insert(slots, ARGV[i])
+    end
+  end
+  return slots
+end
+
+-- Keys outlive the latest lease; the counters a day more, so tokens keep increasing.
+local function cover(deadline)
+  redis.call('PEXPIREAT', owned, deadline)
+  redis.call('PEXPIREAT', owner, deadline)
+  redis.call('PEXPIREAT', counter, deadline + 86400000)
+end
+
+if op == 'free' then
+  local reply = {0}
+  local first = redis.call('ZRANGE', owned, 0, 0, 'WITHSCORES')[2]
+  if first then
+    reply[1] = math.max(tonumber(first) - now, 1)
+  end
+  local held = {}
+  for _, slot in ipairs(redis.call('ZRANGE', owned, 0, -1)) do
+    held[slot] = true
+  end
+  for slot = 0, limit - 1 do
+    if not held[tostring(slot)] then
+      table.insert(reply, slot)
+    end
+  end
+  return reply
+elseif op == 'take' then
+  local member, lease = ARGV[4], tonumber(ARGV[5])
+  local born = tonumber(redis.call('GET', born_key))
+  if not born then
+    born = now
+    redis.call('SET', born_key, int(now))
+  end
+  if now - born < lease then
+    return {2, born + lease - now}
+  end
+  for i = 6, #ARGV do
+    if redis.call('ZSCORE', owned, ARGV[i]) then
+      return {0}
+    end
+  end
+  local reply = {1}
+  for i = 6, #ARGV do
+    local slot = ARGV[i]
+    redis.call('ZADD', owned, now + lease, slot)
+    redis.call('HSET', owner, slot, member)
+    local value = math.max((tonumber(redis.call('HGET', counter, slot)) or 0) + 1, now_us)
+    redis.call('HSET', counter, slot, int(value))
+    table.insert(reply, value)
+  end
+  cover(now + lease)
+  return reply
+elseif op == 'seal' then
+  local member, value = ARGV[4], tonumber(ARGV[5])
+  local slots = mine(member, 6)
+  for _, slot in ipairs(slots) do
+    local current = tonumber(redis.call('HGET', counter, slot)) or 0
+    if value > current then
+      redis.call('HSET', counter, slot, int(value))
+    end
+  end
+  return #slots
+elseif op == 'renew' then
+  local member, lease = ARGV[4], tonumber(ARGV[5])
+  local slots = mine(member, 6)
+  for _, slot in ipairs(slots) do
+    redis.call('ZADD', owned, 'XX', now + lease, slot)
+  end
+  if #slots > 0 then
+    cover(now + lease)
+  end
+  return #slots
+elseif op == 'release' then
+  local slots = mine(ARGV[4], 5)
+  for _, slot in ipairs(slots) do
+    redis.call('ZREM', owned, slot)
+    redis.call('HDEL', owner, slot)
+  end
+  if #slots > 0 then
+    redis.call('PUBLISH', channel, 'released')
+  end
+  return #slots
+elseif op == 'used' then
+  return redis.call('ZCARD', owned)
+end
+return redis.error_reply('unknown quorum operation ' .. tostring(op))

@@ -1,0 +1,635 @@
+//! One semaphore over several independent Redis masters, holding the limit for ANY limit
+//! while a majority of them is healthy.
+//!
+//! # Why not "a majority said yes"
+//!
+//! The usual multi-node semaphore adds a holder on each node where fewer than L hold, and
+//! counts a majority of yeses as a grant. With 3 nodes and L = 2, holders on {A,B}, {B,C} and
+//! {A,C} each won a majority, and 3 hold at once: when each node admits L and a grant needs W
+//! nodes, ⌊N·L/W⌋ can hold, safe only when W > N·L/(L+1).
+//!
+//! # What this backend does instead: L slots, each a Redlock mutex
+//!
+//! - **What each node stores** (`lua/quorum.lua`): for each of the semaphore's L slots, who owns
+//!   it and until when (its own clock), and a per-slot counter for fencing tokens.
+//! - **What a grant needs**: a holder of weight w reads which slots each node has free, picks w
+//!   slots free on a majority, and takes those same w slots, all or nothing, on every node it
+//!   can. It holds them only if it took them on a **majority** of nodes, and only for
+//!   `lease − elapsed − drift` (drift = lease·factor + 2 ms, factor 0.01 unless configured),
+//!   timed from before it asked. Otherwise it gives back whatever it took, on every node.
+//! - **Why the limit holds**: a slot has at most one owner at a time, because two majorities
+//!   share a node and a node lets one member own a slot until it expires or is released.
+//!   Each holder of weight w owns w distinct slots, so the holders' weights add up to at most L.
+//!   The validity bound makes the holder stop believing in its slots before any node lets
+//!   them go, if the nodes' clocks drift within the configured factor.
+//! - **A node that restarted empty** forgot the slots it had granted. Each node records when
+//!   its data began (`born`, set once and never expiring) and abstains from granting for one
+//!   lease after that: the slots it forgot expire within a lease everywhere else. (It cannot
+//!   tell a first start from a restart, so a fresh node also abstains for its first lease.)
+//!   Every process must use the same lease for a semaphore.
+//! - **A paused or unreachable node** answers late or not at all; it is counted out, and a
+//!   grant needs a majority of the others. Fewer than a majority reachable is a backend failure,
+//!   decided by the semaphore's `OutagePolicy`.
+//! - **Renewal** extends the holder's slots on every node that still has them; it counts only
+//!   if a majority did, within the validity bound.
+//!
+//! # Fencing tokens
+//!
+//! A grant's token is the largest per-slot counter among the nodes that granted it, written
+//! back ("sealed") to those nodes before the permit is handed out. Each later owner of one of
+//! its slots takes that slot on a node where the seal happened first, so its token is
+//! larger: **tokens strictly increase among the successive holders of each slot**. Holders
+//! of different slots may get tokens in either order (on one node they are globally ordered).
+//! With limit 1 there is one slot, and fencing works exactly as on one node.
+//!
+//! # Waiting
+//!
+//! There is no line across nodes and no FIFO order: a waiter tries again when a node announces
+//! that it freed a slot (pub/sub on every node), or when the earliest lease may end, or after
+//! a jittered pause. Every try is bounded and costs three round trips (read, take, seal), in
+//! parallel on the nodes.
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::future::join_all;
+use futures_util::stream::FuturesUnordered;
+use redis::aio::ConnectionManager;
+use redis::{Client, IntoConnectionInfo, ProtocolVersion, PushInfo, RedisResult, Script, Value};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::redis::{Channels, Pushes, manager_config, on_push, subscriber};
+use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
+use crate::Error;
+use crate::sync::{BoxFuture, lock};
+use crate::waitlist::{ClockReading, Hub, KEEPALIVE, Refresh, Status};
+
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/quorum.lua")));
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(1);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+const DRIFT_FACTOR: f64 = 0.01;
+
+/// How long the nodes beyond a majority may take to answer once the majority has.
+const GRACE: Duration = Duration::from_millis(10);
+
+/// A semaphore store over several independent Redis masters (no replication between them):
+/// at most `limit` holders at any instant, for any limit, while a majority of the nodes is
+/// healthy and their clocks drift within the configured bound. See the module docs for the
+/// design and what `fencing_token` guarantees here.
+///
+/// # Example
+///
+/// ```no_run
+/// use tower_distributed_limit::{QuorumBackend, Semaphore};
+///
+/// # async fn run() -> Result<(), tower_distributed_limit::Error> {
+/// let quorum = QuorumBackend::connect(&["redis://a:6379", "redis://b:6379", "redis://c:6379"]).await?;
+/// let sem = Semaphore::builder("gpu").limit(4).build(quorum)?;   // the same Semaphore API
+/// let permit = sem.acquire().await?;
+/// # drop(permit); Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct QuorumBackend {
+    shared: Arc<Nodes>,
+    prefix: Arc<str>,
+}
+
+impl std::fmt::Debug for QuorumBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuorumBackend")
+            .field("nodes", &self.shared.nodes.len())
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What clones of one `QuorumBackend` share.
+struct Nodes {
+    nodes: Vec<ConnectionManager>,
+    hub: Arc<Hub>,
+    drift_factor: f64,
+    /// Every call to a node, reconnecting included, ends by then: a dead node slows no one.
+    call_timeout: Duration,
+}
+
+/// Settings for a [`QuorumBackend`]; made by [`QuorumBackend::builder`].
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct QuorumBackendBuilder {
+    urls: Result<Vec<redis::ConnectionInfo>, Error>,
+    call_timeout: Duration,
+    connect_timeout: Duration,
+    drift_factor: f64,
+    prefix: String,
+}
+
+impl QuorumBackend {
+    /// Connects to every master in `urls` (at least 3, independent of each other), with the
+    /// default settings of [`QuorumBackend::builder`].
+    pub async fn connect<U: IntoConnectionInfo + Clone>(urls: &[U]) -> Result<Self, Error> {
+        Self::builder(urls).connect().await
+    }
+
+    /// Settings for a quorum of the masters at `urls`.
+    ///
+    /// # Example
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_distributed_limit::QuorumBackend;
+    ///
+    /// # async fn run() -> Result<(), tower_distributed_limit::Error> {
+    /// let quorum = QuorumBackend::builder(&["redis://a:6379", "redis://b:6379", "redis://c:6379"])
+    ///     .call_timeout(Duration::from_millis(200))
+    ///     .clock_drift_factor(0.01)
+    ///     .key_prefix("jobs:")
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = quorum; Ok(()) }
+    /// ```
+    pub fn builder<U: IntoConnectionInfo + Clone>(urls: &[U]) -> QuorumBackendBuilder {
+        let infos = urls
+            .iter()
+            .map(|url| url.clone().into_connection_info())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| {
+                Error::config(format!(
+                    "not a Redis URL ({e}); expected e.g. redis://127.0.0.1:6379"
+                ))
+            });
+        QuorumBackendBuilder {
+            urls: infos,
+            call_timeout: CALL_TIMEOUT,
+            connect_timeout: CONNECT_TIMEOUT,
+            drift_factor: DRIFT_FACTOR,
+            prefix: "dlimit:".into(),
+        }
+    }
+}
+
+impl QuorumBackendBuilder {
+    /// The longest any call to one node may take (default 1 s); a node slower than that is
+    /// counted out of that call's majority.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// The longest one connection attempt may take (default 1 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How far the nodes' and this process's clocks may drift apart, as a share of the lease
+    /// (default 0.01, plus 2 ms): a grant is believed for `lease − elapsed − drift`.
+    pub fn clock_drift_factor(mut self, factor: f64) -> Self {
+        self.drift_factor = factor;
+        self
+    }
+
+    /// Puts every key and channel under `prefix` (default `"dlimit:"`).
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Connects to every node. Fails with [`Error::Config`] for fewer than 3 URLs, a bad URL,
+    /// a zero timeout or a drift factor outside 0..1, and with [`Error::Backend`] when fewer
+    /// than a majority of the nodes can be reached.
+    pub async fn connect(self) -> Result<QuorumBackend, Error> {
+        let urls = self.urls?;
+        if urls.len() < 3 {
+            return Err(Error::config(format!(
+                "a quorum needs at least 3 independent masters, got {}; with fewer, use \
+                 RedisBackend",
+                urls.len()
+            )));
+        }
+        if self.call_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(Error::config(
+                "Redis call and connect timeouts must be more than zero",
+            ));
+        }
+        if !(0.0..1.0).contains(&self.drift_factor) {
+            return Err(Error::config(format!(
+                "clock drift factor {} is outside 0 ..= 1",
+                self.drift_factor
+            )));
+        }
+        let (subscribe, requests) = mpsc::unbounded_channel();
+        let hub = Arc::new(Hub::new(Some(subscribe)));
+        let notify = Arc::downgrade(&hub);
+        let pushes: Pushes = Arc::new(move |push: PushInfo| on_push(&notify, push));
+        let total = urls.len();
+        // Every node is kept, reachable now or not: a majority counts all of them, and a node
+        // that comes back is used again.
+        let config = manager_config(&pushes, self.call_timeout, self.connect_timeout);
+        let nodes = urls
+            .into_iter()
+            .map(|info| {
+                let settings = info
+                    .redis_settings()
+                    .clone()
+                    .set_protocol(ProtocolVersion::RESP3);
+                let client = Client::open(info.set_redis_settings(settings))?;
+                ConnectionManager::new_lazy_with_config(client, config.clone())
+            })
+            .collect::<RedisResult<Vec<_>>>()
+            .map_err(|e| Error::config(format!("cannot use these Redis URLs: {e}")))?;
+        let pings = nodes.iter().map(|node| {
+            let mut node = node.clone();
+            let ping = async move { redis::cmd("PING").query_async::<String>(&mut node).await };
+            tokio::time::timeout(self.connect_timeout, ping)
+        });
+        let mut errors = Vec::new();
+        for result in join_all(pings).await {
+            match result {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => errors.push(e.to_string()),
+                Err(_) => errors.push("no answer within the connect timeout".into()),
+            }
+        }
+        if total - errors.len() <= total / 2 {
+            return Err(Error::backend(
+                format!(
+                    "only {} of {total} quorum nodes could be reached ({}); a majority is needed",
+                    total - errors.len(),
+                    errors.join("; ")
+                ),
+                None,
+            ));
+        }
+        if !errors.is_empty() {
+            tracing::warn!(errors = %errors.join("; "), "some quorum nodes are unreachable now; they count again once they answer");
+        }
+        tokio::spawn(subscriber(AllNodes(nodes.clone()), requests));
+        Ok(QuorumBackend {
+            shared: Arc::new(Nodes {
+                nodes,
+                hub,
+                drift_factor: self.drift_factor,
+                call_timeout: self.call_timeout,
+            }),
+            prefix: self.prefix.into(),
+        })
+    }
+}
+
+/// Subscriptions on every node: a freed slot may be announced by any of them.
+struct AllNodes(Vec<ConnectionManager>);
+
+impl Channels for AllNodes {
+    async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
+        let calls = self.0.iter_mut().map(|node| node.subscribe(channel));
+        let results = join_all(calls).await;
+        let failed = results.iter().filter(|r| r.is_err()).count();
+        match results.into_iter().find_map(Result::err) {
+            Some(e) if failed == self.0.len() => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    async fn unsubscribe(&mut self, channels: &[String]) -> RedisResult<()> {
+        let calls = self.0.iter_mut().map(|node| node.unsubscribe(channels));
+        join_all(calls).await.into_iter().collect()
+    }
+}
+
+impl Open for QuorumBackend {
+    fn open(&self, name: &str, limit: u32) -> Opened {
+        // No hash tag: the nodes are independent masters, not a cluster.
+        let base = format!("{}quorum:{name}", self.prefix);
+        let channel = format!("{base}:freed");
+        let waitlist = self.shared.hub.waitlist(&channel);
+        Opened {
+            store: Arc::new_cyclic(|me| QuorumSemaphore {
+                shared: self.shared.clone(),
+                me: me.clone(),
+                keys: [
+                    format!("{base}:owned"),
+                    format!("{base}:owner"),
+                    format!("{base}:counter"),
+                    format!("{}quorum:born", self.prefix),
+                ],
+                channel,
+                limit,
+                held: Mutex::default(),
+            }),
+            waitlist,
+        }
+    }
+}
+
+struct QuorumSemaphore {
+    shared: Arc<Nodes>,
+    me: Weak<QuorumSemaphore>,
+    keys: [String; 4],
+    channel: String,
+    limit: u32,
+    /// The slots of each member this process holds (or is taking).
+    held: Mutex<HashMap<Arc<str>, Vec<u32>>>,
+}
+
+/// One node's answer, or none (failed or too slow).
+type Answers = Vec<Option<Value>>;
+
+impl QuorumSemaphore {
+    fn majority(&self) -> usize {
+        self.shared.nodes.len() / 2 + 1
+    }
+
+    /// `op` with `args` on every node at once; each node's answer, `None` where it failed or
+    /// was late. Once a majority has answered, the others get [`GRACE`] more: a dead or paused
+    /// node costs a try that much, not a call timeout.
+    async fn on_all(&self, op: &str, args: &[String]) -> Answers {
+        let mut calls: FuturesUnordered<_> = self
+            .shared
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(index, node)| {
+                let mut node = node.clone();
+                let mut invocation = SCRIPT.prepare_invoke();
+                for key in &self.keys {
+                    invocation.key(key);
+                }
+                invocation.arg(op).arg(&self.channel).arg(self.limit);
+                for arg in args {
+                    invocation.arg(arg);
+                }
+                let bound = self.shared.call_timeout;
+                async move {
+                    tracing::trace!(target: "tower_distributed_limit::redis", op, "quorum call");
+                    let call = invocation.invoke_async::<Value>(&mut node);
+                    let answer = match tokio::time::timeout(bound, call).await {
+                        Ok(Ok(value)) => Some(value),
+                        Ok(Err(e)) => {
+                            tracing::debug!(op, error = %e, "a quorum node failed");
+                            None
+                        }
+                        Err(_) => None,
+                    };
+                    (index, answer)
+                }
+            })
+            .collect();
+        let mut answers: Answers = vec![None; self.shared.nodes.len()];
+        let mut answered = 0;
+        let mut late = None;
+        loop {
+            let next = match late {
+                None => calls.next().await,
+                Some(deadline) => match tokio::time::timeout_at(deadline, calls.next()).await {
+                    Ok(next) => next,
+                    Err(_) => break,
+                },
+            };
+            let Some((index, answer)) = next else { break };
+            if answer.is_some() {
+                answered += 1;
+                if answered == self.majority() {
+                    late = Some(Instant::now() + GRACE);
+                }
+            }
+            answers[index] = answer;
+        }
+        answers
+    }
+
+    fn too_few(&self, op: &str, answered: usize) -> Error {
+        Error::backend(
+            format!(
+                "only {answered} of {} quorum nodes answered `{op}`; a majority ({}) is needed. \
+                 Check the nodes' health",
+                self.shared.nodes.len(),
+                self.majority()
+            ),
+            None,
+        )
+    }
+
+    /// One try at `member`'s slots: the token and the time the grant may be believed, or
+    /// `None` when no set of slots is free on a majority (with a hint of when to try again).
+    async fn attempt(&self, member: &Member) -> Result<Result<(u64, Duration), Duration>, Error> {
+        let lease = member.lease;
+        let started = Instant::now();
+        let free = self.on_all("free", &[]).await;
+        let answered = free.iter().flatten().count();
+        if answered < self.majority() {
+            return Err(self.too_few("free", answered));
+        }
+        let mut counts: HashMap<i64, usize> = HashMap::new();
+        let mut retry_in = KEEPALIVE;
+        for answer in free.iter().flatten() {
+            let Some((first, slots)) = integers(answer).and_then(|values| {
+                let (first, slots) = values.split_first()?;
+                Some((*first, slots.to_vec()))
+            }) else {
+                continue;
+            };
+            if first > 0 {
+                retry_in = retry_in.min(Duration::from_millis(first.unsigned_abs()));
+            }
+            for slot in slots {
+                *counts.entry(slot).or_default() += 1;
+            }
+        }
+        let mut candidates: Vec<u32> = counts
+            .into_iter()
+            .filter(|(_, count)| *count >= self.majority())
+            .filter_map(|(slot, _)| u32::try_from(slot).ok())
+            .collect();
+        let weight = member.weight as usize;
+        if candidates.len() < weight {
+            return Ok(Err(retry_in));
+        }
+        fastrand::shuffle(&mut candidates);
+        candidates.truncate(weight);
+        candidates.sort_unstable();
+        lock(&self.held).insert(member.text.clone(), candidates.clone());
+        let slots: Vec<String> = candidates.iter().map(u32::to_string).collect();
+        let mut args = vec![member.text.to_string(), lease.as_millis().to_string()];
+        args.extend(slots.iter().cloned());
+        let taken = self.on_all("take", &args).await;
+        let mut token = 0i64;
+        let mut winners = Vec::new();
+        for (node, answer) in taken.iter().enumerate() {
+            if let Some(values) = answer.as_ref().and_then(integers)
+                && values.first() == Some(&1)
+            {
+                winners.push(node);
+                token = token.max(values[1..].iter().copied().max().unwrap_or(0));
+            }
+        }
+        let valid = self.validity(lease, started);
+        if winners.len() < self.majority() || valid.is_none() {
+            self.give_back(member).await;
+            return Ok(Err(
+                retry_in.min(Duration::from_millis(50 + fastrand::u64(..100)))
+            ));
+        }
+        // Seal the token on the nodes that granted it, so every later owner of these slots
+        // gets a larger one.
+        let mut args = vec![member.text.to_string(), token.to_string()];
+        args.extend(slots);
+        let sealed = self.on_all("seal", &args).await;
+        let sealed_winners = winners
+            .iter()
+            .filter(|&&node| sealed[node].as_ref().and_then(integer) == Some(member.weight as i64))
+            .count();
+        match self.validity(lease, started) {
+            Some(valid) if sealed_winners >= self.majority() => {
+                Ok(Ok((u64::try_from(token).unwrap_or(0), valid)))
+            }
+            _ => {
+                self.give_back(member).await;
+                Ok(Err(retry_in))
+            }
+        }
+    }
+
+    /// How long a grant asked for at `started` may still be believed.
+    fn validity(&self, lease: Duration, started: Instant) -> Option<Duration> {
+        let drift = lease.mul_f64(self.shared.drift_factor) + Duration::from_millis(2);
+        lease
+            .checked_sub(started.elapsed())?
+            .checked_sub(drift)
+            .filter(|valid| !valid.is_zero())
+    }
+
+    /// Releases `member`'s slots on every node.
+    async fn give_back(&self, member: &Member) {
+        let Some(slots) = lock(&self.held).remove(&member.text) else {
+            return;
+        };
+        let mut args = vec![member.text.to_string()];
+        args.extend(slots.iter().map(u32::to_string));
+        self.on_all("release", &args).await;
+    }
+}
+
+fn integers(value: &Value) -> Option<Vec<i64>> {
+    match value {
+        Value::Array(items) => items.iter().map(integer).collect(),
+        _ => None,
+    }
+}
+
+fn integer(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(n) => Some(*n),
+        _ => None,
+    }
+}
+
+impl Store for QuorumSemaphore {
+    fn acquire<'a>(
+        &'a self,
+        member: &'a Member,
+        mode: Mode,
+        _until: Option<Instant>,
+    ) -> BoxFuture<'a, Result<Attempt, Error>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            match self.attempt(member).await? {
+                Ok((token, remaining)) => Ok(Attempt::Granted { token, remaining }),
+                Err(_) if mode == Mode::Once => Ok(Attempt::Full),
+                Err(retry_in) => Ok(Attempt::Queued {
+                    retry_in,
+                    // No grant is ever announced with a server time: any reading will do.
+                    clock: ClockReading {
+                        local: sent,
+                        server_us: 0,
+                    },
+                }),
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            self.give_back(member).await;
+            Ok(())
+        })
+    }
+
+    fn release_later(&self, member: Member) {
+        let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
+        else {
+            tracing::warn!(
+                "permit dropped outside a tokio runtime: its slots free when its lease ends"
+            );
+            return;
+        };
+        runtime.spawn(async move { me.give_back(&member).await });
+    }
+
+    fn renew<'a>(
+        &'a self,
+        members: &'a [Member],
+    ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>> {
+        Box::pin(async move {
+            let mut renewed = Vec::with_capacity(members.len());
+            for member in members {
+                let Some(slots) = lock(&self.held).get(&member.text).cloned() else {
+                    renewed.push(None);
+                    continue;
+                };
+                let started = Instant::now();
+                let mut args = vec![
+                    member.text.to_string(),
+                    member.lease.as_millis().to_string(),
+                ];
+                args.extend(slots.iter().map(u32::to_string));
+                let answers = self.on_all("renew", &args).await;
+                let answered = answers.iter().flatten().count();
+                if answered < self.majority() {
+                    return Err(self.too_few("renew", answered));
+                }
+                let kept = answers
+                    .iter()
+                    .filter(|answer| answer.as_ref().and_then(integer) == Some(slots.len() as i64))
+                    .count();
+                renewed.push(if kept >= self.majority() {
+                    self.validity(member.lease, started)
+                } else {
+                    None
+                });
+            }
+            Ok(renewed)
+        })
+    }
+
+    fn reconnects(&self) -> Option<watch::Receiver<u64>> {
+        None
+    }
+
+    fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
+        Box::pin(async move {
+            let answers = self.on_all("used", &[]).await;
+            let mut used: Vec<i64> = answers.iter().flatten().filter_map(integer).collect();
+            if used.len() < self.majority() {
+                return Err(self.too_few("used", used.len()));
+            }
+            // The median of the answers: a minority of nodes cannot sway it.
+            used.sort_unstable();
+            Ok(u32::try_from(used[used.len() / 2].max(0)).unwrap_or(u32::MAX))
+        })
+    }
+}
+
+impl Refresh for QuorumSemaphore {
+    /// There is no line across the nodes: every waiter tries again.
+    fn touch<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+        _until: Instant,
+    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
+        Box::pin(async move { Ok((vec![Status::Unknown; members.len()], KEEPALIVE)) })
+    }
+}

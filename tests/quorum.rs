@@ -1,0 +1,317 @@
+//! QuorumBackend on 3 independent redis-servers: the Semaphore API, the limit across OS
+//! processes (counted by an observer on a fourth server), nodes killed, restarted empty and
+//! paused mid-run, two nodes down, and the naive "majority said yes" design, run on the same
+//! schedule as a reference, exceeding the limit where the slot design does not.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower_distributed_limit::{Error, QuorumBackend, Semaphore, SemaphoreBuilder};
+
+use support::{Redis, child_role, child_says, signal, spawn_child_with};
+
+/// One second leases: a fresh node abstains for its first lease, and tests stay short.
+fn semaphore(name: &str, limit: u32) -> SemaphoreBuilder {
+    Semaphore::builder(name)
+        .limit(limit)
+        .lease(Duration::from_secs(1))
+        .acquire_timeout(Duration::from_secs(10))
+}
+
+async fn quorum(urls: &[String]) -> QuorumBackend {
+    QuorumBackend::builder(urls)
+        .call_timeout(Duration::from_millis(300))
+        .connect_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap()
+}
+
+async fn three_nodes() -> (Vec<Redis>, Vec<String>) {
+    let mut nodes = Vec::new();
+    for _ in 0..3 {
+        nodes.push(Redis::start().await);
+    }
+    let urls = nodes.iter().map(|node| node.url.clone()).collect();
+    (nodes, urls)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_semaphore_api_works_on_a_quorum() {
+    let (_nodes, urls) = three_nodes().await;
+    let sem = semaphore("api", 3).build(quorum(&urls).await).unwrap();
+    // A fresh node abstains for one lease: the first grant waits for it.
+    let two = sem.acquire_many(2).await.unwrap();
+    assert_eq!(two.weight(), 2);
+    assert_eq!(sem.available_permits().await.unwrap(), 1);
+    assert!(
+        sem.try_acquire_many(2).await.unwrap().is_none(),
+        "only one slot is free"
+    );
+    let one = sem.try_acquire().await.unwrap().expect("one slot is free");
+    assert!(sem.try_acquire().await.unwrap().is_none());
+    drop(two);
+    let again = sem.acquire_many(2).await.unwrap();
+    // A held permit is renewed past its lease.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(!again.is_lost() && !one.is_lost());
+    assert!(
+        sem.try_acquire().await.unwrap().is_none(),
+        "renewed slots stay held"
+    );
+    drop((one, again));
+
+    // Limit 1: one slot, fencing tokens strictly increase from holder to holder.
+    let mutex = semaphore("mutex", 1).build(quorum(&urls).await).unwrap();
+    let mut last = 0;
+    for _ in 0..5 {
+        let mut permit = mutex.acquire().await.unwrap();
+        assert!(permit.fencing_token() > last);
+        last = permit.fencing_token();
+        permit.release().await.unwrap();
+    }
+}
+
+/// The child: hammers semaphore `name` with limit `limit` for `secs`, counting holders on an
+/// observer server; says the largest count and how many it acquired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "runs only as a child process of the other tests"]
+async fn child_process() {
+    let Some((role, urls)) = child_role() else {
+        return;
+    };
+    let mut parts = role.split(':');
+    assert_eq!(parts.next(), Some("hammer"), "unknown role {role}");
+    let limit: u32 = parts.next().unwrap().parse().unwrap();
+    let secs: u64 = parts.next().unwrap().parse().unwrap();
+    let (observer, nodes) = urls.split_once('|').unwrap();
+    let nodes: Vec<String> = nodes.split(',').map(str::to_owned).collect();
+    let (max, acquired) = hammer(observer, &nodes, limit, Duration::from_secs(secs)).await;
+    println!("DLIMIT max {max} acquired {acquired}");
+}
+
+/// 6 tasks hold `limit`'s semaphore for 5–20 ms at a time until `run` passes; each hold is
+/// counted with INCR/DECR on the observer. The largest count seen, and the holds.
+async fn hammer(observer: &str, nodes: &[String], limit: u32, run: Duration) -> (i64, u64) {
+    let sem = semaphore(&format!("hammer-{limit}"), limit)
+        .acquire_timeout(Duration::from_secs(3))
+        .build(quorum(nodes).await)
+        .unwrap();
+    let conn = redis::Client::open(observer)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = format!("holders-{limit}");
+    let (max, acquired) = (Arc::new(AtomicI64::new(0)), Arc::new(AtomicU64::new(0)));
+    let end = Instant::now() + run;
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let (sem, mut conn, key) = (sem.clone(), conn.clone(), key.clone());
+            let (max, acquired) = (max.clone(), acquired.clone());
+            tokio::spawn(async move {
+                while Instant::now() < end {
+                    let permit = match sem.acquire().await {
+                        Ok(permit) => permit,
+                        // Nodes down or quarantined for a while: try again.
+                        Err(Error::Timeout { .. } | Error::Backend(_)) => continue,
+                        Err(e) => panic!("{e}"),
+                    };
+                    let now: i64 = redis::cmd("INCR")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    max.fetch_max(now, Ordering::SeqCst);
+                    acquired.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(5 + fastrand::u64(..15))).await;
+                    let _: i64 = redis::cmd("DECR")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    drop(permit);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    (max.load(Ordering::SeqCst), acquired.load(Ordering::SeqCst))
+}
+
+fn parse_report(said: &str) -> (i64, u64) {
+    let mut words = said.split(' ');
+    assert_eq!(words.next(), Some("max"));
+    let max = words.next().unwrap().parse().unwrap();
+    assert_eq!(words.next(), Some("acquired"));
+    (max, words.next().unwrap().parse().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_limit_holds_across_processes_for_limits_2_and_5() {
+    let (_nodes, urls) = three_nodes().await;
+    let observer = Redis::start().await;
+    for limit in [2, 5] {
+        let spec = format!("{}|{}", observer.url, urls.join(","));
+        let mut children: Vec<_> = (0..2)
+            .map(|_| spawn_child_with(&format!("hammer:{limit}:4"), &spec))
+            .collect();
+        let (ours, _) = hammer(&observer.url, &urls, limit, Duration::from_secs(4)).await;
+        let mut max = ours;
+        for child in &mut children {
+            let (theirs, acquired) = parse_report(&child_says(child).await);
+            assert!(acquired > 0);
+            max = max.max(theirs);
+        }
+        assert!(max <= i64::from(limit), "limit {limit}: {max} held at once");
+        assert!(max >= 2, "limit {limit}: the holders never overlapped");
+    }
+}
+
+/// Mid-run: one node killed and restarted empty, then another paused. Never above the limit,
+/// and work goes on once a majority is healthy again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_restarted_empty_and_paused_nodes_never_break_the_limit() {
+    let (mut nodes, urls) = three_nodes().await;
+    let observer = Redis::start().await;
+    let spec = format!("{}|{}", observer.url, urls.join(","));
+    let mut children: Vec<_> = (0..2)
+        .map(|_| spawn_child_with("hammer:2:9", &spec))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    nodes[0].kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    nodes[0].restart().await; // empty: it abstains for a lease
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    signal(nodes[1].pid(), "STOP");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    signal(nodes[1].pid(), "CONT");
+    let late = Instant::now();
+    let mut max = 0;
+    for child in &mut children {
+        let (theirs, acquired) = parse_report(&child_says(child).await);
+        assert!(acquired > 0);
+        max = max.max(theirs);
+    }
+    assert!(max <= 2, "{max} held at once");
+    // Work went on after the faults: the children ran until 9 s, about 3 s past them.
+    assert!(late.elapsed() >= Duration::from_secs(1));
+    let key_after: i64 = redis::cmd("GET")
+        .arg("holders-2")
+        .query_async(&mut observer.conn().await)
+        .await
+        .unwrap();
+    assert_eq!(key_after, 0, "every hold was counted out");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_down_is_a_backend_failure_within_the_timeout() {
+    let (mut nodes, urls) = three_nodes().await;
+    let sem = semaphore("down", 2).build(quorum(&urls).await).unwrap();
+    drop(sem.acquire().await.unwrap()); // past the fresh nodes' first lease
+    nodes[0].kill();
+    nodes[1].kill();
+    let started = Instant::now();
+    assert!(matches!(sem.acquire().await, Err(Error::Backend(_))));
+    assert!(matches!(sem.try_acquire().await, Err(Error::Backend(_))));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(sem.outage_decisions() >= 2);
+}
+
+#[tokio::test]
+async fn bad_quorum_settings_are_config_errors() {
+    let two = ["redis://127.0.0.1:1", "redis://127.0.0.1:2"];
+    assert!(matches!(
+        QuorumBackend::connect(&two).await,
+        Err(Error::Config(_))
+    ));
+    let three = [
+        "redis://127.0.0.1:1",
+        "redis://127.0.0.1:2",
+        "redis://127.0.0.1:3",
+    ];
+    let err = QuorumBackend::builder(&three)
+        .clock_drift_factor(1.5)
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err:?}");
+    let err = QuorumBackend::builder(&three)
+        .connect_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend(_)), "{err:?}");
+}
+
+/// The naive design, as a reference: on each node "if fewer than L hold, add me", and a
+/// majority of yeses is a grant.
+async fn naive_acquire(nodes: &[&Redis], limit: u32, member: &str) -> usize {
+    let script = redis::Script::new(
+        "if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[1]) then \
+           redis.call('SADD', KEYS[1], ARGV[2]) return 1 end return 0",
+    );
+    let mut yes = 0;
+    for node in nodes {
+        let got: i64 = script
+            .key("naive")
+            .arg(limit)
+            .arg(member)
+            .invoke_async(&mut node.conn().await)
+            .await
+            .unwrap();
+        yes += got as usize;
+    }
+    yes
+}
+
+/// Three clients that each reach a different two of the three nodes, limit 2. The naive
+/// design grants all three (each won a majority); the slot design grants two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_naive_majority_design_exceeds_the_limit_and_slots_do_not() {
+    let (nodes, urls) = three_nodes().await;
+    let pairs = [(0, 1), (1, 2), (0, 2)];
+
+    let mut naive_holders = 0;
+    for (i, (a, b)) in pairs.into_iter().enumerate() {
+        let yes = naive_acquire(&[&nodes[a], &nodes[b]], 2, &format!("client-{i}")).await;
+        if yes >= 2 {
+            naive_holders += 1;
+        }
+    }
+    assert_eq!(
+        naive_holders, 3,
+        "the naive design admits three holders on a limit of 2"
+    );
+
+    // The same schedule with QuorumBackend: each client is configured with all three nodes
+    // but one of them unreachable to it (a closed port in its place).
+    let closed = format!("redis://127.0.0.1:{}", support::free_port());
+    let mut holders = Vec::new();
+    for (a, b) in pairs {
+        let reach = [urls[a].clone(), urls[b].clone(), closed.clone()];
+        let sem = semaphore("slots", 2)
+            .acquire_timeout(Duration::from_secs(3))
+            .build(quorum(&reach).await)
+            .unwrap();
+        match sem.acquire().await {
+            Ok(permit) => holders.push(permit),
+            Err(e) => assert!(matches!(e, Error::Timeout { .. }), "{e}"),
+        }
+    }
+    assert_eq!(
+        holders.len(),
+        2,
+        "the slot design never admits more than the limit"
+    );
+}
