@@ -7,7 +7,8 @@
 //! RUST_CLIENT=$PWD/target/release/examples/bench_client ../shared/bench/run.sh
 //! ```
 //!
-//! `--cluster-urls a,b,c` runs the semaphore on a Redis Cluster (see `scripts/bench-topologies`).
+//! `--cluster-urls a,b,c` runs the semaphore on a Redis Cluster, `--quorum-urls a,b,c` on a
+//! QuorumBackend of independent masters (see `scripts/bench-topologies`).
 //!
 //! Round trips are counted from the crate's own `trace!` event per Redis command (target
 //! `tower_distributed_limit::redis`), plus the observer's INCR/DECR.
@@ -19,7 +20,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
 use tokio::time::Instant;
-use tower_distributed_limit::{Error, RedisBackend, Semaphore};
+use tower_distributed_limit::{Error, QuorumBackend, RedisBackend, Semaphore};
 
 /// Redis commands the crate sent, counted from its trace events.
 static CRATE_CALLS: AtomicU64 = AtomicU64::new(0);
@@ -143,19 +144,28 @@ async fn load(url: &str, args: &Args) -> serde_json::Value {
 
     // `--cluster-urls a,b,c` (scripts/bench-topologies): the semaphore lives on a Redis
     // Cluster; the harness and the observer talk to the node at --host/--port.
-    let backend = match args.get("cluster-urls") {
-        Some(urls) => {
-            let urls: Vec<&str> = urls.split(',').collect();
-            RedisBackend::connect_cluster(&urls).await
-        }
-        None => RedisBackend::connect(url).await,
-    }
-    .expect("connect to Redis");
-    let sem = Semaphore::builder(key)
+    // `--quorum-urls a,b,c`: on a QuorumBackend of independent masters.
+    let builder = Semaphore::builder(key)
         .limit(limit)
-        .acquire_timeout(acquire_timeout)
-        .build(backend)
-        .expect("valid settings");
+        .acquire_timeout(acquire_timeout);
+    let sem = if let Some(urls) = args.get("quorum-urls") {
+        let urls: Vec<&str> = urls.split(',').collect();
+        let quorum = QuorumBackend::connect(&urls)
+            .await
+            .expect("connect to the quorum");
+        builder.build(quorum)
+    } else {
+        let backend = match args.get("cluster-urls") {
+            Some(urls) => {
+                let urls: Vec<&str> = urls.split(',').collect();
+                RedisBackend::connect_cluster(&urls).await
+            }
+            None => RedisBackend::connect(url).await,
+        }
+        .expect("connect to Redis");
+        builder.build(backend)
+    }
+    .expect("valid settings");
     // Warm up before the window: connect and load the script.
     sem.available_permits().await.expect("Redis answers");
     let observer = if observe_key.is_empty() {

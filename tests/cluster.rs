@@ -408,7 +408,7 @@ async fn a_failover_keeps_replicated_permits_and_waiters() {
     let sem = Semaphore::builder("moving")
         .limit(1)
         .lease(Duration::from_secs(2))
-        .acquire_timeout(Duration::from_secs(15))
+        .acquire_timeout(Duration::from_secs(60))
         .build(backend.clone())
         .unwrap();
     let held = sem.acquire().await.unwrap();

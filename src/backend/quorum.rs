@@ -418,32 +418,7 @@ impl QuorumSemaphore {
     async fn attempt(&self, member: &Member) -> Result<Result<(u64, Duration), Duration>, Error> {
         let lease = member.lease;
         let started = Instant::now();
-        let free = self.on_all("free", &[]).await;
-        let answered = free.iter().flatten().count();
-        if answered < self.majority() {
-            return Err(self.too_few("free", answered));
-        }
-        let mut counts: HashMap<i64, usize> = HashMap::new();
-        let mut retry_in = KEEPALIVE;
-        for answer in free.iter().flatten() {
-            let Some((first, slots)) = integers(answer).and_then(|values| {
-                let (first, slots) = values.split_first()?;
-                Some((*first, slots.to_vec()))
-            }) else {
-                continue;
-            };
-            if first > 0 {
-                retry_in = retry_in.min(Duration::from_millis(first.unsigned_abs()));
-            }
-            for slot in slots {
-                *counts.entry(slot).or_default() += 1;
-            }
-        }
-        let mut candidates: Vec<u32> = counts
-            .into_iter()
-            .filter(|(_, count)| *count >= self.majority())
-            .filter_map(|(slot, _)| u32::try_from(slot).ok())
-            .collect();
+        let (mut candidates, retry_in) = self.free_slots().await?;
         let weight = member.weight as usize;
         if candidates.len() < weight {
             return Ok(Err(retry_in));
@@ -491,6 +466,37 @@ impl QuorumSemaphore {
                 Ok(Err(retry_in))
             }
         }
+    }
+
+    /// The slots free on a majority of the nodes, and when the earliest lease may end.
+    async fn free_slots(&self) -> Result<(Vec<u32>, Duration), Error> {
+        let free = self.on_all("free", &[]).await;
+        let answered = free.iter().flatten().count();
+        if answered < self.majority() {
+            return Err(self.too_few("free", answered));
+        }
+        let mut counts: HashMap<i64, usize> = HashMap::new();
+        let mut retry_in = KEEPALIVE;
+        for answer in free.iter().flatten() {
+            let Some((first, slots)) = integers(answer).and_then(|values| {
+                let (first, slots) = values.split_first()?;
+                Some((*first, slots.to_vec()))
+            }) else {
+                continue;
+            };
+            if first > 0 {
+                retry_in = retry_in.min(Duration::from_millis(first.unsigned_abs()));
+            }
+            for slot in slots {
+                *counts.entry(slot).or_default() += 1;
+            }
+        }
+        let candidates = counts
+            .into_iter()
+            .filter(|(_, count)| *count >= self.majority())
+            .filter_map(|(slot, _)| u32::try_from(slot).ok())
+            .collect();
+        Ok((candidates, retry_in))
     }
 
     /// How long a grant asked for at `started` may still be believed.
@@ -624,12 +630,26 @@ impl Store for QuorumSemaphore {
 }
 
 impl Refresh for QuorumSemaphore {
-    /// There is no line across the nodes: every waiter tries again.
+    /// There is no line across the nodes. The oldest local waiters, as many as slots are free
+    /// on a majority, are told to try again; the others keep waiting, so a freed slot does not
+    /// set every waiter of the process trying at once.
     fn touch<'a>(
         &'a self,
         members: &'a [Arc<str>],
         _until: Instant,
     ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
-        Box::pin(async move { Ok((vec![Status::Unknown; members.len()], KEEPALIVE)) })
+        Box::pin(async move {
+            let (free, retry_in) = self.free_slots().await?;
+            let statuses = (0..members.len())
+                .map(|i| {
+                    if i < free.len() {
+                        Status::Unknown
+                    } else {
+                        Status::Queued
+                    }
+                })
+                .collect();
+            Ok((statuses, retry_in))
+        })
     }
 }
