@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use crate::backend::{Member, Store};
 use crate::lease::Lease;
 use crate::sync::lock;
+use crate::telemetry::Telemetry;
 
 /// The shortest pause before a failed renewal is tried again; it doubles up to a third of the
 /// lease.
@@ -26,6 +27,7 @@ const STALLED: Duration = Duration::from_secs(5);
 /// went away.
 pub(crate) struct Keeper {
     store: Arc<dyn Store>,
+    telemetry: Telemetry,
     lease: Duration,
     leases: Mutex<Leases>,
     /// Wakes the task: a more urgent lease arrived, or the last one left.
@@ -43,9 +45,10 @@ struct Leases {
 }
 
 impl Keeper {
-    pub(crate) fn new(store: Arc<dyn Store>, lease: Duration) -> Arc<Self> {
+    pub(crate) fn new(store: Arc<dyn Store>, lease: Duration, telemetry: Telemetry) -> Arc<Self> {
         Arc::new(Keeper {
             store,
+            telemetry,
             lease,
             leases: Mutex::default(),
             wake: Arc::new(Notify::new()),
@@ -137,12 +140,14 @@ impl Keeper {
                         }
                     };
                     if !kept {
+                        self.telemetry.lease_lost();
                         self.forget(member);
                     }
                 }
                 true
             }
             Err(e) => {
+                self.telemetry.backend_error("renew");
                 tracing::warn!(
                     error = %e,
                     permits = members.len(),

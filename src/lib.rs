@@ -67,6 +67,7 @@ mod outage;
 mod permit;
 mod semaphore;
 mod sync;
+mod telemetry;
 mod waitlist;
 
 pub use backend::{

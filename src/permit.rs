@@ -14,6 +14,7 @@ use crate::Error;
 use crate::backend::{Member, Store};
 use crate::keeper::Keeper;
 use crate::lease::Lease;
+use crate::telemetry::Telemetry;
 
 /// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
 ///
@@ -57,6 +58,7 @@ pub(crate) struct Origin {
     pub(crate) keeper: Arc<Keeper>,
     /// These are the outage policy's in-process permits.
     pub(crate) degraded: bool,
+    pub(crate) telemetry: Telemetry,
 }
 
 /// A member this process may hold or have queued in the backend. Until it is given back (or
@@ -65,6 +67,8 @@ pub(crate) struct Claim {
     origin: Arc<Origin>,
     member: Member,
     armed: bool,
+    /// When it became a live permit, for `dlimit_permit_hold_seconds`.
+    granted: Option<Instant>,
 }
 
 impl Claim {
@@ -74,6 +78,7 @@ impl Claim {
             origin: origin.clone(),
             member: Member::new(weight, lease),
             armed: true,
+            granted: None,
         }
     }
 
@@ -89,10 +94,16 @@ impl Claim {
     /// The backend granted the member with `token` until `deadline` (by this process's clock,
     /// never later than the backend's). A lease that already ended makes a permit that is lost
     /// at once; the keeper renews the others.
-    pub(crate) fn into_permit(self, token: u64, deadline: Instant) -> Permit {
+    pub(crate) fn into_permit(mut self, token: u64, deadline: Instant) -> Permit {
         let lease = Lease::new(deadline);
-        if !lease.is_lost() {
+        if lease.is_lost() {
+            self.origin.telemetry.lease_lost();
+        } else {
             self.origin.keeper.keep(self.member.clone(), &lease);
+            self.origin
+                .telemetry
+                .holding(self.member.weight, true, Duration::ZERO);
+            self.granted = Some(Instant::now());
         }
         Permit {
             claim: self,
@@ -104,11 +115,24 @@ impl Claim {
     /// Gives the member back now; after a success, dropping does nothing.
     async fn release(&mut self) -> Result<(), Error> {
         if self.armed {
-            self.origin.store.release(&self.member).await?;
+            self.origin
+                .store
+                .release(&self.member)
+                .await
+                .inspect_err(|_| self.origin.telemetry.backend_error("release"))?;
             self.armed = false;
             self.origin.keeper.forget(&self.member);
+            self.released();
         }
         Ok(())
+    }
+
+    /// Counts the end of a live permit's hold.
+    fn released(&mut self) {
+        if let Some(granted) = self.granted.take() {
+            let telemetry = &self.origin.telemetry;
+            telemetry.holding(self.member.weight, false, granted.elapsed());
+        }
     }
 }
 
@@ -117,6 +141,7 @@ impl Drop for Claim {
         if self.armed {
             self.origin.keeper.forget(&self.member);
             self.origin.store.release_later(self.member.clone());
+            self.released();
         }
     }
 }

@@ -11,6 +11,7 @@ use crate::backend::{Attempt, Backend, Mode, Opened};
 use crate::keeper::Keeper;
 use crate::outage::OutagePolicy;
 use crate::permit::{Claim, Origin, Permit};
+use crate::telemetry::{Outcome, Telemetry};
 use crate::waitlist::{Waitlist, Wake};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -69,6 +70,7 @@ struct Core {
 /// A semaphore's settings, checked by [`SemaphoreBuilder::build`].
 struct Settings {
     name: String,
+    telemetry: Telemetry,
     limit: u32,
     lease: Duration,
     acquire_timeout: Duration,
@@ -108,6 +110,8 @@ pub struct SemaphoreBuilder {
     acquire_timeout: Duration,
     max_waiters: usize,
     outage: OutagePolicy,
+    /// The `semaphore` label of its metrics, when it is not the name (a partition set's name).
+    label: Option<String>,
 }
 
 impl SemaphoreBuilder {
@@ -202,6 +206,7 @@ impl SemaphoreBuilder {
             Some(local) => {
                 let settings = Settings {
                     name: self.name.clone(),
+                    telemetry: Telemetry::new(self.label.as_deref().unwrap_or(&self.name)),
                     limit: local,
                     lease: self.lease,
                     acquire_timeout: self.acquire_timeout,
@@ -217,6 +222,7 @@ impl SemaphoreBuilder {
             }
         };
         let settings = Settings {
+            telemetry: Telemetry::new(self.label.as_deref().unwrap_or(&self.name)),
             name: self.name,
             limit,
             lease: self.lease,
@@ -234,6 +240,13 @@ impl SemaphoreBuilder {
         self.name = name;
         self
     }
+
+    /// Reports metrics under `label` instead of the name, so per-key semaphores do not make a
+    /// series each.
+    pub(crate) fn metrics_label(mut self, label: String) -> Self {
+        self.label = Some(label);
+        self
+    }
 }
 
 impl Semaphore {
@@ -247,6 +260,7 @@ impl Semaphore {
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             max_waiters: DEFAULT_MAX_WAITERS,
             outage: OutagePolicy::FailClosed,
+            label: None,
         }
     }
 
@@ -261,7 +275,8 @@ impl Semaphore {
         let Opened { store, waitlist } = backend.open(&settings.name, settings.limit);
         let origin = Arc::new(Origin {
             name: settings.name.clone(),
-            keeper: Keeper::new(store.clone(), settings.lease),
+            keeper: Keeper::new(store.clone(), settings.lease, settings.telemetry.clone()),
+            telemetry: settings.telemetry.clone(),
             store,
             degraded,
         });
@@ -315,13 +330,35 @@ impl Semaphore {
     /// semaphore's [`OutagePolicy`] says.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
         self.check_weight(weight)?;
+        let started = Instant::now();
         let deadline = deadline_after(self.inner.settings.acquire_timeout);
-        match self.wait_for(weight, deadline).await {
-            Err(e @ Error::Backend(_)) => {
-                self.fallback(e, weight)?.wait_for(weight, deadline).await
-            }
+        let result = match self.wait_for(weight, deadline).await {
+            Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
+                Ok(fallback) => fallback.wait_for(weight, deadline).await,
+                Err(e) => Err(e),
+            },
             other => other,
-        }
+        };
+        self.report(result.as_ref().map(Some), started);
+        result
+    }
+
+    /// Counts how an acquisition ended: a permit, none (full), or an error.
+    fn report(&self, result: Result<Option<&Permit>, &Error>, started: Instant) {
+        let telemetry = &self.inner.settings.telemetry;
+        let outcome = match result {
+            Ok(Some(permit)) if permit.is_degraded() => Outcome::Degraded,
+            Ok(Some(_)) => Outcome::Acquired,
+            Ok(None) => Outcome::Rejected,
+            Err(Error::Timeout { .. }) => Outcome::Timeout,
+            Err(Error::TooManyWaiters { .. }) => Outcome::TooManyWaiters,
+            Err(Error::Backend(_)) => {
+                telemetry.backend_error("acquire");
+                Outcome::BackendError
+            }
+            Err(_) => return,
+        };
+        telemetry.acquire(outcome, started.elapsed());
     }
 
     /// One attempt at one permit: `Ok(None)` when the semaphore is full.
@@ -336,10 +373,16 @@ impl Semaphore {
     /// [`Error::Backend`], or what the semaphore's [`OutagePolicy`] says.
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
         self.check_weight(weight)?;
-        match self.try_once(weight).await {
-            Err(e @ Error::Backend(_)) => self.fallback(e, weight)?.try_once(weight).await,
+        let started = Instant::now();
+        let result = match self.try_once(weight).await {
+            Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
+                Ok(fallback) => fallback.try_once(weight).await,
+                Err(e) => Err(e),
+            },
             other => other,
-        }
+        };
+        self.report(result.as_ref().map(Option::as_ref), started);
+        result
     }
 
     async fn try_once(&self, weight: u32) -> Result<Option<Permit>, Error> {
@@ -382,7 +425,13 @@ impl Semaphore {
 
     /// The limit minus the weight of live (unexpired) holders, across every process.
     pub async fn available_permits(&self) -> Result<u32, Error> {
-        let used = self.inner.origin.store.used().await?;
+        let used = self
+            .inner
+            .origin
+            .store
+            .used()
+            .await
+            .inspect_err(|_| self.inner.settings.telemetry.backend_error("used"))?;
         Ok(self.inner.settings.limit.saturating_sub(used))
     }
 
@@ -438,8 +487,8 @@ impl Semaphore {
             .inner
             .waitlist
             .register(claim.member().text.clone(), self.inner.settings.max_waiters);
-        let ticket = match registered {
-            Ok(ticket) => ticket,
+        let (ticket, _waiting) = match registered {
+            Ok(ticket) => (ticket, Waiting::new(&self.inner.settings.telemetry)),
             Err(waiting) => {
                 // Nothing was sent: nothing to give back.
                 claim.disarm();
@@ -490,4 +539,20 @@ fn deadline_after(timeout: Duration) -> Instant {
     now.checked_add(timeout)
         .or_else(|| now.checked_add(CENTURY))
         .unwrap_or(now)
+}
+
+/// A waiter counted in `dlimit_waiters` while it lives.
+struct Waiting<'a>(&'a Telemetry);
+
+impl<'a> Waiting<'a> {
+    fn new(telemetry: &'a Telemetry) -> Self {
+        telemetry.waiting(true);
+        Waiting(telemetry)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting(false);
+    }
 }

@@ -239,7 +239,7 @@ impl Partitions {
     pub fn builder(base_name: impl Into<String>) -> PartitionsBuilder {
         let base = base_name.into();
         PartitionsBuilder {
-            template: Semaphore::builder(base.clone()),
+            template: Semaphore::builder(base.clone()).metrics_label(base.clone()),
             base,
             key: None,
             limit: None,

@@ -1,0 +1,163 @@
+//! What the crate reports through the [`metrics`](https://docs.rs/metrics) facade (feature
+//! `metrics`, on by default; no exporter is chosen here). Every metric carries the label
+//! `semaphore`: the semaphore's name, or a partition set's name for its per-key semaphores, so
+//! the number of series stays bounded whatever the requests carry.
+//!
+//! | name | kind | labels / meaning |
+//! |---|---|---|
+//! | `dlimit_acquire_total` | counter | `result` = `acquired` \| `timeout` \| `rejected` \| `backend_error` \| `degraded` \| `too_many_waiters` |
+//! | `dlimit_acquire_wait_seconds` | histogram | time from asking to holding (acquired ones) |
+//! | `dlimit_permit_hold_seconds` | histogram | time from granted to released |
+//! | `dlimit_permits_held` | gauge | weight this process holds now |
+//! | `dlimit_waiters` | gauge | this process's waiters now |
+//! | `dlimit_lease_lost_total` | counter | permits whose lease was lost |
+//! | `dlimit_backend_errors_total` | counter | `op` = the backend operation |
+//!
+//! Without the feature, or without a recorder installed, each report costs next to nothing.
+
+use std::time::Duration;
+
+/// The reports of one semaphore (cheap to clone).
+#[derive(Clone, Debug)]
+pub(crate) struct Telemetry {
+    #[cfg(feature = "metrics")]
+    label: metrics::SharedString,
+}
+
+/// How an acquisition ended, as `dlimit_acquire_total` counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Acquired,
+    Degraded,
+    Timeout,
+    Rejected,
+    BackendError,
+    TooManyWaiters,
+}
+
+impl Outcome {
+    #[cfg(feature = "metrics")]
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Acquired => "acquired",
+            Outcome::Degraded => "degraded",
+            Outcome::Timeout => "timeout",
+            Outcome::Rejected => "rejected",
+            Outcome::BackendError => "backend_error",
+            Outcome::TooManyWaiters => "too_many_waiters",
+        }
+    }
+}
+
+impl Telemetry {
+    /// Reports for the semaphore (or partition set) called `label`.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(label: &str) -> Self {
+        #[cfg(feature = "metrics")]
+        describe();
+        Telemetry {
+            #[cfg(feature = "metrics")]
+            label: metrics::SharedString::from(label.to_owned()),
+        }
+    }
+
+    /// An acquire or try_acquire ended; `wait` counts for the acquired ones.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn acquire(&self, outcome: Outcome, wait: Duration) {
+        #[cfg(feature = "metrics")]
+        {
+            let semaphore = self.label.clone();
+            metrics::counter!("dlimit_acquire_total", "semaphore" => semaphore.clone(), "result" => outcome.as_str())
+                .increment(1);
+            if matches!(outcome, Outcome::Acquired | Outcome::Degraded) {
+                metrics::histogram!("dlimit_acquire_wait_seconds", "semaphore" => semaphore)
+                    .record(wait.as_secs_f64());
+            }
+        }
+    }
+
+    /// A permit of `weight` was granted (`true`) or given back after `held` (`false`).
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn holding(&self, weight: u32, granted: bool, held: Duration) {
+        #[cfg(feature = "metrics")]
+        {
+            let gauge = metrics::gauge!("dlimit_permits_held", "semaphore" => self.label.clone());
+            if granted {
+                gauge.increment(f64::from(weight));
+            } else {
+                gauge.decrement(f64::from(weight));
+                metrics::histogram!("dlimit_permit_hold_seconds", "semaphore" => self.label.clone())
+                    .record(held.as_secs_f64());
+            }
+        }
+    }
+
+    /// A waiter joined (`true`) or left (`false`).
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn waiting(&self, joined: bool) {
+        #[cfg(feature = "metrics")]
+        {
+            let gauge = metrics::gauge!("dlimit_waiters", "semaphore" => self.label.clone());
+            if joined {
+                gauge.increment(1.0);
+            } else {
+                gauge.decrement(1.0);
+            }
+        }
+    }
+
+    /// A permit's lease was lost.
+    pub(crate) fn lease_lost(&self) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!("dlimit_lease_lost_total", "semaphore" => self.label.clone())
+            .increment(1);
+    }
+
+    /// A backend call `op` failed.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn backend_error(&self, op: &'static str) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!("dlimit_backend_errors_total", "semaphore" => self.label.clone(), "op" => op)
+            .increment(1);
+    }
+}
+
+/// Describes every metric once, with its unit, for the recorder installed at the time.
+#[cfg(feature = "metrics")]
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        describe_counter!(
+            "dlimit_acquire_total",
+            Unit::Count,
+            "acquisitions by result: acquired, timeout, rejected, backend_error, degraded, too_many_waiters"
+        );
+        describe_histogram!(
+            "dlimit_acquire_wait_seconds",
+            Unit::Seconds,
+            "time from asking for a permit to holding it"
+        );
+        describe_histogram!(
+            "dlimit_permit_hold_seconds",
+            Unit::Seconds,
+            "time from a permit's grant to its release"
+        );
+        describe_gauge!(
+            "dlimit_permits_held",
+            Unit::Count,
+            "weight of the permits this process holds"
+        );
+        describe_gauge!("dlimit_waiters", Unit::Count, "this process's waiters");
+        describe_counter!(
+            "dlimit_lease_lost_total",
+            Unit::Count,
+            "permits whose lease was lost"
+        );
+        describe_counter!(
+            "dlimit_backend_errors_total",
+            Unit::Count,
+            "failed backend calls, by operation"
+        );
+    });
+}
