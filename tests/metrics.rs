@@ -1,0 +1,218 @@
+//! The metrics of API.md, read back through `metrics-util`'s debugging recorder: names, kinds,
+//! labels and values, for each acquisition result, holds, waiters, lost leases, backend errors
+//! and a partition set (labelled by its name, never a key). One test: the recorder is global.
+
+#![cfg(feature = "metrics")]
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tower_distributed_limit::{
+    Error, MemoryBackend, OutagePolicy, Partitions, RedisBackend, Semaphore,
+};
+
+use support::{Redis, eventually};
+
+type Series = (String, Vec<(String, String)>);
+
+/// What the recorder saw so far. Each snapshot gives what changed since the last one (counter
+/// increments, gauge moves, histogram samples), so they are added up here.
+struct Seen {
+    snapshotter: Snapshotter,
+    totals: std::sync::Mutex<HashMap<Series, f64>>,
+}
+
+impl Seen {
+    fn update(&self) -> std::sync::MutexGuard<'_, HashMap<Series, f64>> {
+        let mut totals = self.totals.lock().unwrap();
+        for (key, _, _, value) in self.snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            let mut labels: Vec<(String, String)> = key
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            labels.sort();
+            let total = totals.entry((key.name().to_owned(), labels)).or_default();
+            match value {
+                DebugValue::Counter(n) => *total += n as f64,
+                DebugValue::Histogram(samples) => *total += samples.len() as f64,
+                // The crate only moves its gauges up and down, and each snapshot gives the
+                // move since the last one.
+                DebugValue::Gauge(value) => *total += value.into_inner(),
+            }
+        }
+        totals
+    }
+
+    /// A counter's total, a gauge's value or a histogram's number of samples.
+    fn get(&self, name: &str, pairs: &[(&str, &str)]) -> f64 {
+        let mut labels: Vec<_> = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        labels.sort();
+        self.update()
+            .get(&(name.to_owned(), labels))
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    fn labels_seen(&self) -> Vec<String> {
+        self.update()
+            .keys()
+            .flat_map(|(_, labels)| labels.iter().map(|(_, v)| v.clone()))
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_is_emitted_with_its_labels() {
+    let recorder = DebuggingRecorder::new();
+    let metrics = Seen {
+        snapshotter: recorder.snapshotter(),
+        totals: Default::default(),
+    };
+    recorder
+        .install()
+        .expect("the only recorder of this test binary");
+    let result = |name, result| {
+        metrics.get(
+            "dlimit_acquire_total",
+            &[("semaphore", name), ("result", result)],
+        )
+    };
+    let acquired = |name| result(name, "acquired");
+
+    // Acquired, held, released.
+    let sem = Semaphore::builder("m")
+        .limit(1)
+        .max_waiters(1)
+        .acquire_timeout(Duration::from_millis(50))
+        .build(MemoryBackend::new())
+        .unwrap();
+    let held = sem.acquire().await.unwrap();
+    assert_eq!(
+        metrics.get("dlimit_acquire_wait_seconds", &[("semaphore", "m")]),
+        1.0
+    );
+    assert_eq!(acquired("m"), 1.0);
+    assert_eq!(
+        metrics.get("dlimit_permits_held", &[("semaphore", "m")]),
+        1.0
+    );
+
+    // Full: try_acquire is rejected, acquire times out.
+    assert!(sem.try_acquire().await.unwrap().is_none());
+    assert_eq!(result("m", "rejected"), 1.0);
+    assert!(matches!(sem.acquire().await, Err(Error::Timeout { .. })));
+    assert_eq!(result("m", "timeout"), 1.0);
+
+    drop(held);
+    assert_eq!(
+        metrics.get("dlimit_permit_hold_seconds", &[("semaphore", "m")]),
+        1.0
+    );
+    assert_eq!(
+        metrics.get("dlimit_permits_held", &[("semaphore", "m")]),
+        0.0
+    );
+
+    // One waiter is counted; one more is too many.
+    let sem = Semaphore::builder("w")
+        .limit(1)
+        .max_waiters(1)
+        .acquire_timeout(Duration::from_secs(10))
+        .build(MemoryBackend::new())
+        .unwrap();
+    let held = sem.acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire().await }
+    });
+    eventually(Duration::from_secs(5), "one waiter counted", || async {
+        metrics.get("dlimit_waiters", &[("semaphore", "w")]) == 1.0
+    })
+    .await;
+    assert!(matches!(
+        sem.acquire().await,
+        Err(Error::TooManyWaiters { .. })
+    ));
+    assert_eq!(result("w", "too_many_waiters"), 1.0);
+    drop(held);
+    drop(waiter.await.unwrap().unwrap());
+    assert_eq!(metrics.get("dlimit_waiters", &[("semaphore", "w")]), 0.0);
+    assert_eq!(acquired("w"), 2.0);
+
+    // A partition set reports under its own name, never a key's.
+    let partitions = Partitions::builder("tenants")
+        .key_header(http::HeaderName::from_static("x-tenant"))
+        .limit(1)
+        .build(MemoryBackend::new())
+        .unwrap();
+    for key in ["a", "b", "c"] {
+        drop(partitions.semaphore(key).unwrap().acquire().await.unwrap());
+    }
+    assert_eq!(acquired("tenants"), 3.0);
+    assert!(
+        metrics
+            .labels_seen()
+            .iter()
+            .all(|value| !value.starts_with("tenants:")),
+        "a request key became a label"
+    );
+
+    // A lease lost behind the holder's back.
+    let mut redis = Redis::start().await;
+    let sem = Semaphore::builder("lost")
+        .limit(1)
+        .lease(Duration::from_secs(1))
+        .build(redis.backend().await)
+        .unwrap();
+    let held = sem.acquire().await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg("dlimit:{lost}:holders")
+        .arg("dlimit:{lost}:meta")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(3), held.lost())
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(2), "the lost lease counted", || async {
+        metrics.get("dlimit_lease_lost_total", &[("semaphore", "lost")]) == 1.0
+    })
+    .await;
+    drop(held);
+
+    // Redis down: a backend error, and a degraded permit from the outage policy.
+    let backend = RedisBackend::builder(redis.url.as_str())
+        .call_timeout(Duration::from_millis(200))
+        .connect_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let closed = Semaphore::builder("down")
+        .limit(1)
+        .build(backend.clone())
+        .unwrap();
+    let open = Semaphore::builder("open")
+        .limit(1)
+        .on_outage(OutagePolicy::FailOpen)
+        .build(backend)
+        .unwrap();
+    redis.kill();
+    assert!(matches!(closed.acquire().await, Err(Error::Backend(_))));
+    assert_eq!(result("down", "backend_error"), 1.0);
+    assert_eq!(
+        metrics.get(
+            "dlimit_backend_errors_total",
+            &[("semaphore", "down"), ("op", "acquire")]
+        ),
+        1.0
+    );
+    assert!(open.acquire().await.unwrap().is_degraded());
+    assert_eq!(result("open", "degraded"), 1.0);
+}
