@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::backend::{Member, Store};
 use crate::lease::Lease;
 use crate::sync::lock;
-use crate::telemetry::Telemetry;
+use crate::telemetry::{Op, Telemetry};
 
 /// The shortest pause before a failed renewal is tried again; it doubles up to a third of the
 /// lease.
@@ -147,7 +147,7 @@ impl Keeper {
                 true
             }
             Err(e) => {
-                self.telemetry.backend_error("renew");
+                self.telemetry.backend_error(Op::Renew);
                 tracing::warn!(
                     error = %e,
                     permits = members.len(),

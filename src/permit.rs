@@ -14,7 +14,7 @@ use crate::Error;
 use crate::backend::{Member, Store};
 use crate::keeper::Keeper;
 use crate::lease::Lease;
-use crate::telemetry::Telemetry;
+use crate::telemetry::{Op, Telemetry};
 
 /// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
 ///
@@ -119,7 +119,7 @@ impl Claim {
                 .store
                 .release(&self.member)
                 .await
-                .inspect_err(|_| self.origin.telemetry.backend_error("release"))?;
+                .inspect_err(|_| self.origin.telemetry.backend_error(Op::Release))?;
             self.armed = false;
             self.origin.keeper.forget(&self.member);
             self.released();

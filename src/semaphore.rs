@@ -11,7 +11,7 @@ use crate::backend::{Attempt, Backend, Mode, Opened};
 use crate::keeper::Keeper;
 use crate::outage::OutagePolicy;
 use crate::permit::{Claim, Origin, Permit};
-use crate::telemetry::{Outcome, Telemetry};
+use crate::telemetry::{Op, Outcome, Telemetry};
 use crate::waitlist::{Waitlist, Wake};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -353,7 +353,7 @@ impl Semaphore {
             Err(Error::Timeout { .. }) => Outcome::Timeout,
             Err(Error::TooManyWaiters { .. }) => Outcome::TooManyWaiters,
             Err(Error::Backend(_)) => {
-                telemetry.backend_error("acquire");
+                telemetry.backend_error(Op::Acquire);
                 Outcome::BackendError
             }
             Err(_) => return,
@@ -431,7 +431,7 @@ impl Semaphore {
             .store
             .used()
             .await
-            .inspect_err(|_| self.inner.settings.telemetry.backend_error("used"))?;
+            .inspect_err(|_| self.inner.settings.telemetry.backend_error(Op::Used))?;
         Ok(self.inner.settings.limit.saturating_sub(used))
     }
 

@@ -17,12 +17,32 @@
 
 use std::time::Duration;
 
-/// The reports of one semaphore (cheap to clone).
+/// The reports of one semaphore (cheap to clone). Its metric handles are registered once,
+/// with the recorder installed when the semaphore is built: install a recorder before building
+/// semaphores.
 #[derive(Clone, Debug)]
 pub(crate) struct Telemetry {
     #[cfg(feature = "metrics")]
-    label: metrics::SharedString,
+    handles: std::sync::Arc<Handles>,
 }
+
+#[cfg(feature = "metrics")]
+#[derive(Debug)]
+struct Handles {
+    /// `dlimit_acquire_total`, one per result, in `Outcome` order.
+    acquired: [metrics::Counter; 6],
+    wait: metrics::Histogram,
+    hold: metrics::Histogram,
+    held: metrics::Gauge,
+    waiters: metrics::Gauge,
+    lease_lost: metrics::Counter,
+    /// `dlimit_backend_errors_total`, one per operation, in `OPS` order.
+    backend_errors: [metrics::Counter; 4],
+}
+
+/// The backend operations `dlimit_backend_errors_total` tells apart.
+#[cfg(feature = "metrics")]
+const OPS: [&str; 4] = ["acquire", "release", "renew", "used"];
 
 /// How an acquisition ended, as `dlimit_acquire_total` counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,18 +55,23 @@ pub(crate) enum Outcome {
     TooManyWaiters,
 }
 
-impl Outcome {
-    #[cfg(feature = "metrics")]
-    fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Acquired => "acquired",
-            Outcome::Degraded => "degraded",
-            Outcome::Timeout => "timeout",
-            Outcome::Rejected => "rejected",
-            Outcome::BackendError => "backend_error",
-            Outcome::TooManyWaiters => "too_many_waiters",
-        }
-    }
+#[cfg(feature = "metrics")]
+const OUTCOMES: [&str; 6] = [
+    "acquired",
+    "degraded",
+    "timeout",
+    "rejected",
+    "backend_error",
+    "too_many_waiters",
+];
+
+/// A backend operation whose failures are counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    Acquire,
+    Release,
+    Renew,
+    Used,
 }
 
 impl Telemetry {
@@ -54,11 +79,28 @@ impl Telemetry {
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn new(label: &str) -> Self {
         #[cfg(feature = "metrics")]
-        describe();
-        Telemetry {
-            #[cfg(feature = "metrics")]
-            label: metrics::SharedString::from(label.to_owned()),
+        {
+            describe();
+            let semaphore = metrics::SharedString::from(label.to_owned());
+            let label = || semaphore.clone();
+            Telemetry {
+                handles: std::sync::Arc::new(Handles {
+                    acquired: OUTCOMES.map(|result| {
+                        metrics::counter!("dlimit_acquire_total", "semaphore" => label(), "result" => result)
+                    }),
+                    wait: metrics::histogram!("dlimit_acquire_wait_seconds", "semaphore" => label()),
+                    hold: metrics::histogram!("dlimit_permit_hold_seconds", "semaphore" => label()),
+                    held: metrics::gauge!("dlimit_permits_held", "semaphore" => label()),
+                    waiters: metrics::gauge!("dlimit_waiters", "semaphore" => label()),
+                    lease_lost: metrics::counter!("dlimit_lease_lost_total", "semaphore" => label()),
+                    backend_errors: OPS.map(|op| {
+                        metrics::counter!("dlimit_backend_errors_total", "semaphore" => label(), "op" => op)
+                    }),
+                }),
+            }
         }
+        #[cfg(not(feature = "metrics"))]
+        Telemetry {}
     }
 
     /// An acquire or try_acquire ended; `wait` counts for the acquired ones.
@@ -66,12 +108,9 @@ impl Telemetry {
     pub(crate) fn acquire(&self, outcome: Outcome, wait: Duration) {
         #[cfg(feature = "metrics")]
         {
-            let semaphore = self.label.clone();
-            metrics::counter!("dlimit_acquire_total", "semaphore" => semaphore.clone(), "result" => outcome.as_str())
-                .increment(1);
+            self.handles.acquired[outcome as usize].increment(1);
             if matches!(outcome, Outcome::Acquired | Outcome::Degraded) {
-                metrics::histogram!("dlimit_acquire_wait_seconds", "semaphore" => semaphore)
-                    .record(wait.as_secs_f64());
+                self.handles.wait.record(wait.as_secs_f64());
             }
         }
     }
@@ -80,15 +119,11 @@ impl Telemetry {
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn holding(&self, weight: u32, granted: bool, held: Duration) {
         #[cfg(feature = "metrics")]
-        {
-            let gauge = metrics::gauge!("dlimit_permits_held", "semaphore" => self.label.clone());
-            if granted {
-                gauge.increment(f64::from(weight));
-            } else {
-                gauge.decrement(f64::from(weight));
-                metrics::histogram!("dlimit_permit_hold_seconds", "semaphore" => self.label.clone())
-                    .record(held.as_secs_f64());
-            }
+        if granted {
+            self.handles.held.increment(f64::from(weight));
+        } else {
+            self.handles.held.decrement(f64::from(weight));
+            self.handles.hold.record(held.as_secs_f64());
         }
     }
 
@@ -96,29 +131,24 @@ impl Telemetry {
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn waiting(&self, joined: bool) {
         #[cfg(feature = "metrics")]
-        {
-            let gauge = metrics::gauge!("dlimit_waiters", "semaphore" => self.label.clone());
-            if joined {
-                gauge.increment(1.0);
-            } else {
-                gauge.decrement(1.0);
-            }
+        if joined {
+            self.handles.waiters.increment(1.0);
+        } else {
+            self.handles.waiters.decrement(1.0);
         }
     }
 
     /// A permit's lease was lost.
     pub(crate) fn lease_lost(&self) {
         #[cfg(feature = "metrics")]
-        metrics::counter!("dlimit_lease_lost_total", "semaphore" => self.label.clone())
-            .increment(1);
+        self.handles.lease_lost.increment(1);
     }
 
     /// A backend call `op` failed.
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-    pub(crate) fn backend_error(&self, op: &'static str) {
+    pub(crate) fn backend_error(&self, op: Op) {
         #[cfg(feature = "metrics")]
-        metrics::counter!("dlimit_backend_errors_total", "semaphore" => self.label.clone(), "op" => op)
-            .increment(1);
+        self.handles.backend_errors[op as usize].increment(1);
     }
 }
 
