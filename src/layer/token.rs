@@ -15,7 +15,8 @@ tokio::task_local! {
 ///
 /// - **any request type**: [`FencingToken::current`] while the inner service's `call` runs
 ///   and while its response future is polled (the layer polls it), as a task-local value.
-///   Work spawned onto other tasks does not see it: read it first and pass it along.
+///   Work on other tasks does not see it (a task the service spawns, or a `Buffer`'s worker
+///   between the layer and the service): read it in `call` and pass it along.
 /// - **HTTP and gRPC flavours** (`.http()`, `.grpc()`): also a request extension, so an axum
 ///   handler takes it as an extractor (`FencingToken` with the `axum` feature, or
 ///   `Extension<FencingToken>`).
