@@ -1,5 +1,7 @@
 //! What `DistributedConcurrencyLimitLayer` adds to a request: the same `service_fn` served bare,
-//! behind the generic layer and behind its `.http()` flavour, all on `MemoryBackend`. The
+//! behind the generic layer and behind its `.http()` flavour, with `weight_by` and
+//! `acquire_in_poll_ready`, and a service of a request type that is not HTTP (`u64` jobs), all on
+//! `MemoryBackend`. The
 //! difference between `bare` and a layered line is the layer's cost per request (taking and
 //! giving back a permit, the boxed acquire future, the moved inner service).
 //!
@@ -65,6 +67,26 @@ where
     });
 }
 
+/// Serves `iters` jobs (not HTTP requests) with one service.
+async fn run_jobs<S>(mut service: S, iters: u64) -> Duration
+where
+    S: Service<u64>,
+    S::Error: Debug,
+{
+    let started = Instant::now();
+    for job in 0..iters {
+        let done = service
+            .ready()
+            .await
+            .expect("always ready")
+            .call(job)
+            .await
+            .expect("the only permit was given back");
+        black_box(done);
+    }
+    started.elapsed()
+}
+
 fn layer_overhead(c: &mut Criterion) {
     let rt = common::runtime();
     let layer = DistributedConcurrencyLimitLayer::new(
@@ -80,8 +102,36 @@ fn layer_overhead(c: &mut Criterion) {
         &mut group,
         &rt,
         "http",
-        layer.http().layer(service_fn(hello)),
+        layer.clone().http().layer(service_fn(hello)),
     );
+    bench(
+        &mut group,
+        &rt,
+        "weight_by",
+        layer
+            .clone()
+            .weight_by(|_: &Request<()>| 1)
+            .layer(service_fn(hello)),
+    );
+    bench(
+        &mut group,
+        &rt,
+        "acquire_in_poll_ready",
+        layer
+            .clone()
+            .acquire_in_poll_ready()
+            .layer(service_fn(hello)),
+    );
+    let job = |job: u64| async move { Ok::<_, Infallible>(job) };
+    group.bench_function("any_type_bare", |b| {
+        b.to_async(&rt)
+            .iter_custom(|iters| run_jobs(service_fn(job), iters));
+    });
+    let jobs = layer.layer(service_fn(job));
+    group.bench_function("any_type", |b| {
+        b.to_async(&rt)
+            .iter_custom(|iters| run_jobs(jobs.clone(), iters));
+    });
     group.finish();
 }
 

@@ -19,17 +19,16 @@ mod support;
 use std::time::{Duration, Instant};
 
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
-use tower_distributed_limit::{DistributedConcurrencyLimitLayer, FencingToken, Semaphore};
+use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Semaphore};
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let sem = support::build(Semaphore::builder("example-llm-api").limit(2)).await?;
     let started = Instant::now();
     let upstream = service_fn(move |req: http::Request<String>| async move {
-        let token = req.extensions().get::<FencingToken>().map(|t| t.0);
         tokio::time::sleep(Duration::from_millis(50)).await; // the upstream's work
         Ok::<_, BoxError>(format!(
-            "{} done at {:>4} ms (token {token:?})",
+            "{} done at {:>4} ms",
             req.body(),
             started.elapsed().as_millis()
         ))

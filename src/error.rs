@@ -35,6 +35,20 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
 
+    /// The semaphore was full and the caller asked not to wait (the layer's
+    /// `reject_when_full`, or its `acquire_in_poll_ready` with `reject_when_full`).
+    /// Retry later, raise the limit, or let requests wait for a permit.
+    #[error(
+        "the semaphore is full and the request was set not to wait; retry later, raise the \
+         limit, or let requests wait (drop reject_when_full)"
+    )]
+    Full,
+
+    /// The request's partition key is missing or invalid (empty, too long): the client sent a
+    /// bad request. Retrying the same request does not help; send a valid key.
+    #[error("bad partition key: {0}")]
+    BadKey(String),
+
     /// No permit became free within the acquire timeout.
     #[error(
         "no permit became free within {waited:?}; raise the semaphore's limit or acquire_timeout, \

@@ -36,11 +36,11 @@
 //!
 //! # Tower layer
 //!
-//! [`DistributedConcurrencyLimitLayer`] puts the limit in front of any tower service that takes
-//! `http::Request`s. On an axum `Router`, [`http`](DistributedConcurrencyLimitLayer::http)
+//! [`DistributedConcurrencyLimitLayer`] puts the limit in front of any tower service, whatever
+//! its request type (a job runner, a database client, an HTTP client or server). On an axum `Router`, [`http`](DistributedConcurrencyLimitLayer::http)
 //! answers a request that gets no permit with 503 and `Retry-After` and holds the permit until
 //! the response body ends; on a client stack (hyper, tonic) the refusal is an error that
-//! downcasts to [`Error`]. The handler sees the permit's [`FencingToken`], and [`Partitions`]
+//! downcasts to [`Error`]. The inner service sees the permit's [`FencingToken`], and [`Partitions`]
 //! give each key (an API key, a tenant) its own limit. See the [`layer`] module.
 //!
 //! ```

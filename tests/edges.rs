@@ -265,7 +265,7 @@ async fn hostile_names_keep_their_keys_in_one_slot_and_apart() {
 #[tokio::test(flavor = "current_thread")]
 async fn per_key_churn_leaves_no_tasks_behind() {
     let partitions = Partitions::builder("churn")
-        .key(|_| None)
+        .key(|_: &()| None)
         .limit(1)
         .lease(Duration::from_secs(3600))
         .capacity(16)

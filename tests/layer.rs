@@ -524,8 +524,9 @@ async fn generic_refusals_downcast_to_the_crate_error() {
     )
     .await
     .unwrap_err();
+    // Not waiting is a refusal of its own (it was Error::Timeout before Error::Full existed).
     assert!(
-        matches!(err.downcast_ref::<Error>(), Some(Error::Timeout { .. })),
+        matches!(err.downcast_ref::<Error>(), Some(Error::Full)),
         "{err:?}"
     );
     let err = bounded(
@@ -763,4 +764,456 @@ async fn a_lost_lease_aborts_the_request_when_asked() {
         matches!(error.downcast_ref::<Error>(), Some(Error::LeaseLost)),
         "{error}"
     );
+}
+
+/// A request that is not HTTP: a job for a runner.
+#[derive(Clone)]
+struct Job {
+    tenant: String,
+    gpus: u32,
+}
+
+fn job(tenant: &str, gpus: u32) -> Job {
+    Job {
+        tenant: tenant.to_owned(),
+        gpus,
+    }
+}
+
+/// Runs jobs: holds in the probe, answers with the token it ran under.
+#[derive(Clone)]
+struct Runner(Probe);
+
+impl Service<Job> for Runner {
+    type Response = u64;
+    type Error = BoxError;
+    type Future = std::pin::Pin<Box<dyn Future<Output = Result<u64, BoxError>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Job) -> Self::Future {
+        let probe = self.0.clone();
+        // Read while the layer calls: the token of this job's permit.
+        let token = FencingToken::current();
+        Box::pin(async move {
+            probe.hold().await;
+            // Still there while the layer polls the job's future.
+            assert_eq!(FencingToken::current(), token);
+            Ok(token.ok_or("no fencing token")?.0)
+        })
+    }
+}
+
+/// A job runner behind `layer`.
+fn runner<L: tower::Layer<Runner>>(layer: L, probe: &Probe) -> L::Service {
+    layer.layer(Runner(probe.clone()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_runner_of_any_request_type_is_limited_across_instances() {
+    let redis = Redis::start().await;
+    let probe = Probe::new();
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let sem = semaphore("jobs", 2, redis.backend().await);
+        instances.push(runner(DistributedConcurrencyLimitLayer::new(sem), &probe));
+    }
+    let mut jobs = tokio::task::JoinSet::new();
+    for i in 0..8 {
+        let svc = instances[i % 2].clone();
+        jobs.spawn(svc.oneshot(job("acme", 1)));
+    }
+    wait_until("two jobs to run", || probe.active() == 2).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(probe.started(), 2, "the others wait for a permit");
+    probe.open();
+    let mut tokens = Vec::new();
+    while let Some(token) = bounded("every job", jobs.join_next()).await {
+        tokens.push(token.unwrap().unwrap());
+    }
+    tokens.sort();
+    tokens.dedup();
+    assert_eq!(tokens.len(), 8, "each job ran under its own fencing token");
+    assert_eq!(probe.max(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_take_their_key_from_any_request_type() {
+    let partitions = Partitions::builder("tenants")
+        .key(|job: &Job| Some(job.tenant.clone()))
+        .limit(1)
+        .max_key_len(8)
+        .build(MemoryBackend::new())
+        .unwrap();
+    let probe = Probe::new();
+    let svc = runner(
+        DistributedConcurrencyLimitLayer::partitioned(partitions.clone()).reject_when_full(),
+        &probe,
+    );
+    let first = tokio::spawn(svc.clone().oneshot(job("acme", 1)));
+    wait_until("acme's job to run", || probe.active() == 1).await;
+    let full = svc.clone().oneshot(job("acme", 1)).await.unwrap_err();
+    assert!(
+        matches!(full.downcast_ref::<Error>(), Some(Error::Full)),
+        "{full}"
+    );
+    let other = tokio::spawn(svc.clone().oneshot(job("globex", 1)));
+    wait_until("another tenant's job to run", || probe.active() == 2).await;
+    for bad in ["", "much-too-long"] {
+        let err = svc.clone().oneshot(job(bad, 1)).await.unwrap_err();
+        assert!(
+            matches!(err.downcast_ref::<Error>(), Some(Error::BadKey(_))),
+            "{bad:?}: {err}"
+        );
+    }
+    probe.open();
+    bounded("the first", first).await.unwrap().unwrap();
+    bounded("the other", other).await.unwrap().unwrap();
+    wait_available(&partitions.semaphore("acme").unwrap(), 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weight_by_takes_that_many_permits_and_refuses_overweight_at_once() {
+    let redis = Redis::start().await;
+    let sem = semaphore("gpu", 4, redis.backend().await);
+    let probe = Probe::new();
+    let weight = |req: &Request<Body>| {
+        req.headers()
+            .get("x-gpus")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or(1)
+    };
+    let addr = serve(
+        probe.router().layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .http()
+                .weight_by(weight),
+        ),
+    )
+    .await;
+    let client = client();
+    let send = |gpus: u32| {
+        let client = client.clone();
+        async move {
+            let request = Request::get(format!("http://{addr}/"))
+                .header("x-gpus", gpus)
+                .body(Empty::new())
+                .unwrap();
+            bounded("a response", client.request(request))
+                .await
+                .unwrap()
+        }
+    };
+    let batch = tokio::spawn(send(3));
+    wait_until("the batch to run", || probe.active() == 1).await;
+    assert_eq!(available(&sem).await, 1, "a batch of 3 holds 3 permits");
+    // Heavier than the whole limit: refused at once, not after the 10 s acquire timeout.
+    let started = std::time::Instant::now();
+    let response = send(5).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    // Two fit only once the batch is done.
+    let pair = tokio::spawn(send(2));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(probe.started(), 1, "a weight of 2 waits while 1 is free");
+    probe.open();
+    assert_eq!(
+        bounded("the batch", batch).await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert_eq!(
+        bounded("the pair", pair).await.unwrap().status(),
+        StatusCode::OK
+    );
+    wait_available(&sem, 4).await;
+
+    // The generic flavour reports the overweight request as a configuration error.
+    let gpus = runner(
+        DistributedConcurrencyLimitLayer::new(sem.clone()).weight_by(|job: &Job| job.gpus),
+        &Probe::new(),
+    );
+    let err = bounded("a refusal", gpus.oneshot(job("acme", 5)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err.downcast_ref::<Error>(), Some(Error::Config(_))),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_in_poll_ready_sheds_when_full_instead_of_queueing() {
+    let sem = semaphore("shed", 1, MemoryBackend::new());
+    let (inner, mut starts) = stuck();
+    let svc = ServiceBuilder::new()
+        .load_shed()
+        .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).acquire_in_poll_ready())
+        .service(inner);
+    let first = tokio::spawn(svc.clone().oneshot(Request::new(())));
+    bounded("the first call", starts.recv()).await.unwrap();
+    assert_eq!(available(&sem).await, 0);
+    for _ in 0..3 {
+        let err = bounded("a shed request", svc.clone().oneshot(Request::new(())))
+            .await
+            .unwrap_err();
+        assert!(err.is::<tower::load_shed::error::Overloaded>(), "{err}");
+    }
+    assert!(
+        starts.try_recv().is_err(),
+        "nothing queued behind the limit"
+    );
+    first.abort();
+    wait_available(&sem, 1).await;
+    let second = tokio::spawn(svc.clone().oneshot(Request::new(())));
+    bounded("a call once free", starts.recv()).await.unwrap();
+    second.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_in_poll_ready_holds_its_reservation_in_the_service() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("reserve")
+        .limit(1)
+        .lease(Duration::from_secs(1))
+        .acquire_timeout(BOUND)
+        .build(redis.backend().await)
+        .unwrap();
+    let probe = Probe::new();
+    let mut svc = runner(
+        DistributedConcurrencyLimitLayer::new(sem.clone()).acquire_in_poll_ready(),
+        &probe,
+    );
+    bounded("readiness", svc.ready()).await.unwrap();
+    assert_eq!(available(&sem).await, 0, "ready means a permit is reserved");
+    let clone = svc.clone();
+    // Renewed like any other permit while it waits for its call.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        available(&sem).await,
+        0,
+        "the reservation outlived its 1 s lease"
+    );
+    drop(clone); // a clone carries nothing, so dropping it releases nothing
+    assert_eq!(available(&sem).await, 0);
+    // A ready service dropped without a call gives its permit back.
+    drop(svc);
+    wait_available(&sem, 1).await;
+
+    // Under a Buffer: one job runs, the buffer holds the rest until the permit is back.
+    let buffered = tower::buffer::Buffer::new(
+        runner(
+            DistributedConcurrencyLimitLayer::new(sem.clone()).acquire_in_poll_ready(),
+            &probe,
+        ),
+        8,
+    );
+    let mut jobs = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        jobs.spawn(buffered.clone().oneshot(job("acme", 1)));
+    }
+    wait_until("one job to run", || probe.active() == 1).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(probe.started(), 1);
+    probe.open();
+    let mut tokens = Vec::new();
+    while let Some(token) = bounded("every job", jobs.join_next()).await {
+        tokens.push(token.unwrap().unwrap());
+    }
+    assert_eq!(tokens.len(), 4);
+    assert_eq!(probe.max(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_1ms_acquire_timeout_serves_free_slots_and_refuses_only_when_full() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("short")
+        .limit(2)
+        .acquire_timeout(Duration::from_millis(1))
+        .build(redis.backend().await)
+        .unwrap();
+    let partitions = Partitions::builder("short-keys")
+        .key_header(HeaderName::from_static("x-api-key"))
+        .limit(2)
+        .acquire_timeout(Duration::from_millis(1))
+        .build(redis.backend().await)
+        .unwrap();
+    let probe = Probe::new();
+    let one = serve(
+        probe
+            .router()
+            .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).http()),
+    )
+    .await;
+    let keyed = serve(
+        probe
+            .router()
+            .layer(DistributedConcurrencyLimitLayer::partitioned(partitions.clone()).http()),
+    )
+    .await;
+    probe.open();
+    let client = client();
+    for _ in 0..20 {
+        for addr in [one, keyed] {
+            let response = get_from(&client, addr, "/", Some("acme")).await;
+            assert_eq!(response.status(), StatusCode::OK, "a free slot is granted");
+        }
+    }
+
+    // Contention: the slots are held elsewhere; refusals are "full", never an outage.
+    let held = sem.acquire_many(2).await.unwrap();
+    let response = get_from(&client, one, "/", None).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let jobs = runner(DistributedConcurrencyLimitLayer::new(sem.clone()), &probe);
+    let err = jobs.oneshot(job("acme", 1)).await.unwrap_err();
+    assert!(
+        matches!(err.downcast_ref::<Error>(), Some(Error::Timeout { .. })),
+        "{err}"
+    );
+    drop(held);
+    let mut racing = tokio::task::JoinSet::new();
+    for _ in 0..30 {
+        let client = client.clone();
+        racing.spawn(async move { get_from(&client, keyed, "/", Some("busy")).await.status() });
+    }
+    let mut ok = 0;
+    while let Some(status) = bounded("the racing requests", racing.join_next()).await {
+        match status.unwrap() {
+            StatusCode::OK => ok += 1,
+            StatusCode::SERVICE_UNAVAILABLE => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert!(ok >= 2, "{ok} served");
+    assert_eq!(
+        sem.outage_decisions(),
+        0,
+        "no refusal was taken for an outage"
+    );
+    let busy = partitions.semaphore("busy").unwrap();
+    assert_eq!(busy.outage_decisions(), 0, "nor by a partition");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_flavour_builds_in_any_order_and_can_name_its_policy() {
+    let sem = semaphore("order", 1, MemoryBackend::new());
+    let ok = Router::new().route("/", get(|| async { "ok" }));
+    let before = serve(
+        ok.clone().layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .reject_when_full()
+                .http(),
+        ),
+    )
+    .await;
+    let after = serve(
+        ok.layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .http()
+                .ratelimit_policy_header()
+                .reject_when_full(),
+        ),
+    )
+    .await;
+    let client = client();
+    let _held = sem.acquire().await.unwrap();
+    let response = get_from(&client, before, "/", None).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        response.headers().get("ratelimit-policy").is_none(),
+        "off by default"
+    );
+    let response = get_from(&client, after, "/", None).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        response.headers()["ratelimit-policy"],
+        "\"concurrency\";q=1;qu=\"concurrent-requests\""
+    );
+}
+
+#[cfg(feature = "axum")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn axum_handlers_take_the_fencing_token_as_an_extractor() {
+    let sem = semaphore("extractor", 1, MemoryBackend::new());
+    let route = get(|FencingToken(token): FencingToken| async move { token.to_string() });
+    let limited = serve(
+        Router::new()
+            .route("/", route.clone())
+            .layer(DistributedConcurrencyLimitLayer::new(sem).http()),
+    )
+    .await;
+    let bare = serve(Router::new().route("/", route)).await;
+    let client = client();
+    let token: u64 = text(get_from(&client, limited, "/", None).await)
+        .await
+        .parse()
+        .unwrap();
+    assert!(token > 0);
+    let response = get_from(&client, bare, "/", None).await;
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+}
+
+#[cfg(feature = "tonic")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tonic_servers_answer_refusals_with_a_grpc_status() {
+    use tonic::Code;
+    use tonic::transport::{Endpoint, Server};
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let sem = semaphore("grpc-server", 1, MemoryBackend::new());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    tokio::spawn(
+        Server::builder()
+            .layer(
+                DistributedConcurrencyLimitLayer::new(sem.clone())
+                    .grpc()
+                    .reject_when_full(),
+            )
+            .add_service(health.clone())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let channel = bounded(
+        "a connection",
+        Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect(),
+    )
+    .await
+    .unwrap();
+    let mut client = HealthClient::new(channel);
+    let check = || HealthCheckRequest {
+        service: String::new(),
+    };
+    bounded("a health check", client.check(check()))
+        .await
+        .unwrap();
+    let held = sem.acquire().await.unwrap();
+    let status = bounded("a refusal", client.check(check()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+
+    // On the wire: HTTP 200, trailers-only, grpc-status 8 (RESOURCE_EXHAUSTED).
+    let response = ServiceBuilder::new()
+        .layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .grpc()
+                .reject_when_full(),
+        )
+        .service(health)
+        .oneshot(Request::new(tonic::body::Body::empty()))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["grpc-status"], "8");
+    assert_eq!(response.headers()["content-type"], "application/grpc");
+    assert!(http_body::Body::is_end_stream(response.body()));
+    drop(held);
 }

@@ -12,36 +12,50 @@ use tower::{BoxError, Service};
 
 use super::body::ResponseBody;
 use super::http::HttpSettings;
-use super::limiter::{Acquire, FencingToken};
-use super::refusal::{ErrorStyle, Refusal};
-use crate::Permit;
+use super::limiter::Acquire;
+use super::token::{FencingToken, scoped};
+use crate::{Error, Permit};
 
 /// How a [`Limited`] future ended without a response.
 pub(crate) enum Failure<E> {
-    /// No permit.
-    Refused(Refusal),
+    /// No permit; `limit` is the picked semaphore's, if one was picked.
+    Refused { error: Error, limit: Option<u32> },
     /// The inner service failed.
     Inner(E),
+}
+
+/// Hands the token to the request itself, beyond [`FencingToken::current`].
+pub(crate) type Stamp<R> = fn(&mut R, FencingToken);
+
+/// Requests of any type carry nothing: the token is [`FencingToken::current`].
+pub(crate) fn unstamped<R>(_: &mut R, _: FencingToken) {}
+
+/// HTTP requests carry the token as an extension.
+pub(crate) fn extension<B>(request: &mut Request<B>, token: FencingToken) {
+    request.extensions_mut().insert(token);
 }
 
 pin_project! {
     /// Takes the permit, then calls the inner service with it held: the state machine both
     /// flavours share. Resolves to the response and the permit, for the flavour to keep or drop.
     #[project = LimitedProj]
-    pub(crate) enum Limited<S, B>
+    pub(crate) enum Limited<S, R>
     where
-        S: Service<Request<B>>,
+        S: Service<R>,
     {
         Acquiring {
             acquire: Acquire,
             // The ready inner service and the request, taken once the permit is held.
-            call: Option<(S, Request<B>)>,
+            call: Option<(S, R)>,
+            limit: Option<u32>,
             abort_on_lost: bool,
+            stamp: Stamp<R>,
         },
         Calling {
             #[pin]
             future: S::Future,
             permit: Option<Permit>,
+            token: FencingToken,
             // Resolves if the lease is lost first (only when the layer aborts on it).
             lost: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
         },
@@ -50,27 +64,30 @@ pin_project! {
     }
 }
 
-impl<S, B> Limited<S, B>
+impl<S, R> Limited<S, R>
 where
-    S: Service<Request<B>>,
+    S: Service<R>,
 {
     pub(crate) fn new(
-        acquire: Acquire,
+        (acquire, limit): (Acquire, Option<u32>),
         ready: S,
-        request: Request<B>,
+        request: R,
         abort_on_lost: bool,
+        stamp: Stamp<R>,
     ) -> Self {
         Limited::Acquiring {
             acquire,
             call: Some((ready, request)),
+            limit,
             abort_on_lost,
+            stamp,
         }
     }
 }
 
-impl<S, B> Future for Limited<S, B>
+impl<S, R> Future for Limited<S, R>
 where
-    S: Service<Request<B>>,
+    S: Service<R>,
 {
     type Output = Result<(S::Response, Permit), Failure<S::Error>>;
 
@@ -80,38 +97,46 @@ where
                 LimitedProj::Acquiring {
                     acquire,
                     call,
+                    limit,
                     abort_on_lost,
+                    stamp,
                 } => {
-                    let permit = ready!(acquire.as_mut().poll(cx)).map_err(Failure::Refused)?;
+                    let permit =
+                        ready!(Pin::new(acquire).poll(cx)).map_err(|error| Failure::Refused {
+                            error,
+                            limit: *limit,
+                        })?;
                     let Some((mut service, mut request)) = call.take() else {
                         polled_after_completion()
                     };
-                    request
-                        .extensions_mut()
-                        .insert(FencingToken(permit.fencing_token()));
+                    let token = FencingToken(permit.fencing_token());
+                    stamp(&mut request, token);
                     let lost = abort_on_lost.then(|| Box::pin(permit.lost_signal()) as _);
-                    let future = service.call(request);
+                    let future = scoped(token, || service.call(request));
                     self.set(Limited::Calling {
                         future,
                         permit: Some(permit),
+                        token,
                         lost,
                     });
                 }
                 LimitedProj::Calling {
                     future,
                     permit,
+                    token,
                     lost,
                 } => {
-                    let result = match future.poll(cx) {
+                    let result = match scoped(*token, || future.poll(cx)) {
                         Poll::Ready(result) => result,
                         Poll::Pending => {
                             if let Some(lost) = lost {
                                 ready!(lost.as_mut().poll(cx));
                                 // Dropping the inner future aborts the request.
                                 self.set(Limited::Lost);
-                                return Poll::Ready(Err(Failure::Refused(Refusal::Busy(
-                                    crate::Error::LeaseLost,
-                                ))));
+                                return Poll::Ready(Err(Failure::Refused {
+                                    error: Error::LeaseLost,
+                                    limit: None,
+                                }));
                             }
                             return Poll::Pending;
                         }
@@ -139,46 +164,44 @@ fn polled_after_completion() -> ! {
 pin_project! {
     /// The response future of [`DistributedConcurrencyLimit`](super::DistributedConcurrencyLimit):
     /// holds the permit until the inner service's response is ready.
-    pub struct ResponseFuture<S, B>
+    pub struct ResponseFuture<S, R>
     where
-        S: Service<Request<B>>,
+        S: Service<R>,
     {
         #[pin]
-        limited: Limited<S, B>,
-        errors: ErrorStyle,
+        limited: Limited<S, R>,
     }
 }
 
-impl<S, B> ResponseFuture<S, B>
+impl<S, R> ResponseFuture<S, R>
 where
-    S: Service<Request<B>>,
+    S: Service<R>,
 {
-    pub(crate) fn new(limited: Limited<S, B>, errors: ErrorStyle) -> Self {
-        ResponseFuture { limited, errors }
+    pub(crate) fn new(limited: Limited<S, R>) -> Self {
+        ResponseFuture { limited }
     }
 }
 
-impl<S, B> Future for ResponseFuture<S, B>
+impl<S, R> Future for ResponseFuture<S, R>
 where
-    S: Service<Request<B>>,
+    S: Service<R>,
     S::Error: Into<BoxError>,
 {
     type Output = Result<S::Response, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        Poll::Ready(match ready!(this.limited.poll(cx)) {
-            // The permit is dropped, hence released, with the response head.
+        Poll::Ready(match ready!(self.project().limited.poll(cx)) {
+            // The permit is dropped, hence released, with the response.
             Ok((response, _permit)) => Ok(response),
             Err(Failure::Inner(e)) => Err(e.into()),
-            Err(Failure::Refused(refusal)) => Err(this.errors.to_box_error(refusal)),
+            Err(Failure::Refused { error, .. }) => Err(Box::new(error)),
         })
     }
 }
 
-impl<S, B> std::fmt::Debug for ResponseFuture<S, B>
+impl<S, R> std::fmt::Debug for ResponseFuture<S, R>
 where
-    S: Service<Request<B>>,
+    S: Service<R>,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
@@ -186,15 +209,15 @@ where
 }
 
 pin_project! {
-    /// The response future of [`HttpConcurrencyLimit`](super::HttpConcurrencyLimit): answers a
-    /// refused request itself and moves the permit into the response body (unless the layer
+    /// The response future of [`HttpConcurrencyLimit`](super::HttpConcurrencyLimit) (the HTTP
+    /// and gRPC flavours): answers a refused request itself and moves the permit into the response body (unless the layer
     /// releases at the response head).
     pub struct HttpResponseFuture<S, B>
     where
         S: Service<Request<B>>,
     {
         #[pin]
-        limited: Limited<S, B>,
+        limited: Limited<S, Request<B>>,
         settings: Arc<HttpSettings>,
     }
 }
@@ -203,7 +226,7 @@ impl<S, B> HttpResponseFuture<S, B>
 where
     S: Service<Request<B>>,
 {
-    pub(crate) fn new(limited: Limited<S, B>, settings: Arc<HttpSettings>) -> Self {
+    pub(crate) fn new(limited: Limited<S, Request<B>>, settings: Arc<HttpSettings>) -> Self {
         HttpResponseFuture { limited, settings }
     }
 }
@@ -224,7 +247,7 @@ where
                 Ok(response.map(|body| ResponseBody::new(body, permit)))
             }
             Err(Failure::Inner(e)) => Err(e),
-            Err(Failure::Refused(refusal)) => Ok(this.settings.reject(refusal)),
+            Err(Failure::Refused { error, limit }) => Ok(this.settings.reject(error, limit)),
         })
     }
 }

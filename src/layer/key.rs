@@ -1,28 +1,27 @@
 //! Per-key partitions: one semaphore, with its own limit, per API key, tenant or any other key
-//! taken from the request.
+//! taken from the request (any request type; header helpers for HTTP).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::HeaderName;
-use http::request::Parts;
 
-use super::refusal::Refusal;
+use super::limiter::Pick;
 use crate::sync::lock;
 use crate::{Backend, Error, OutagePolicy, Semaphore, SemaphoreBuilder};
 
 const DEFAULT_CAPACITY: usize = 10_000;
 const DEFAULT_MAX_KEY_LEN: usize = 256;
 
-type KeyFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type LimitFn = dyn Fn(&str) -> u32 + Send + Sync;
 type BuildFn = dyn Fn(SemaphoreBuilder) -> Result<Semaphore, Error> + Send + Sync;
 
 /// What a partitioned layer does with a request that carries no key.
 #[derive(Debug, Clone, Default)]
 pub enum WithoutKey {
-    /// Refuse it: 400 Bad Request in the HTTP flavour, [`Error::Config`] otherwise (default).
+    /// Refuse it: 400 Bad Request in the HTTP flavour, `INVALID_ARGUMENT` in the gRPC one,
+    /// [`Error::BadKey`] otherwise (default).
     #[default]
     Reject,
     /// Count it against this semaphore, shared by every keyless request.
@@ -38,6 +37,11 @@ pub enum WithoutKey {
 /// (second-chance approximation) past that, so whatever keys clients send, memory stays
 /// bounded. Evicting is safe: the permits live in the backend, and a permit in flight keeps its
 /// semaphore alive.
+///
+/// The key comes from the request: [`key_header`](PartitionsBuilder::key_header) for HTTP, or
+/// [`key`](PartitionsBuilder::key) with a closure over any request type (a job, an RPC
+/// message). The type parameter is that key extractor; the default, [`HeaderKey`], is what
+/// `key_header` makes.
 ///
 /// Keys are checked before use: an empty key or one longer than
 /// [`max_key_len`](PartitionsBuilder::max_key_len) bytes is refused like a missing one would be
@@ -64,15 +68,91 @@ pub enum WithoutKey {
 /// # let _ = layer;
 /// # Ok(()) }
 /// ```
-#[derive(Clone)]
-pub struct Partitions {
-    inner: Arc<PartitionSet>,
+/// Any request type, with a closure:
+///
+/// ```
+/// use tower::{ServiceBuilder, ServiceExt, service_fn};
+/// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Error, MemoryBackend, Partitions};
+///
+/// struct Job { tenant: String }
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+/// let partitions = Partitions::builder("jobs")
+///     .key(|job: &Job| Some(job.tenant.clone()))
+///     .limit(2)
+///     .build(MemoryBackend::new())?;
+/// let runner = ServiceBuilder::new()
+///     .layer(DistributedConcurrencyLimitLayer::partitioned(partitions))
+///     .service(service_fn(|job: Job| async move { Ok::<_, tower::BoxError>(job.tenant) }));
+/// assert_eq!(runner.clone().oneshot(Job { tenant: "acme".into() }).await?, "acme");
+/// let err = runner.oneshot(Job { tenant: String::new() }).await.unwrap_err();
+/// assert!(matches!(err.downcast_ref::<Error>(), Some(Error::BadKey(_))));
+/// # Ok(()) }
+/// ```
+pub struct Partitions<K = HeaderKey> {
+    inner: Arc<PartitionSet<K>>,
+}
+
+impl<K> Clone for Partitions<K> {
+    fn clone(&self) -> Self {
+        Partitions {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// The key of an HTTP request: a header's value, made by
+/// [`PartitionsBuilder::key_header`]. A missing or non-UTF-8 value means no key.
+///
+/// ```
+/// use http::HeaderName;
+/// use tower_distributed_limit::{MemoryBackend, Partitions};
+///
+/// let partitions = Partitions::builder("api")
+///     .key_header(HeaderName::from_static("x-api-key"))
+///     .limit(5)
+///     .build(MemoryBackend::new())
+///     .unwrap();
+/// # let _ = partitions;
+/// ```
+#[derive(Debug, Clone)]
+pub struct HeaderKey(HeaderName);
+
+/// Reads a partition key from a request of type `R`: [`HeaderKey`] for HTTP requests, or any
+/// `Fn(&R) -> Option<String>`. `None` means the request has no key.
+///
+/// ```
+/// use tower_distributed_limit::layer::PartitionKey;
+///
+/// struct Job { tenant: Option<String> }
+/// let by_tenant = |job: &Job| job.tenant.clone();
+/// assert_eq!(by_tenant.key(&Job { tenant: Some("acme".into()) }).as_deref(), Some("acme"));
+/// ```
+pub trait PartitionKey<R> {
+    /// The request's key, if it has one.
+    fn key(&self, request: &R) -> Option<String>;
+}
+
+impl<R, F> PartitionKey<R> for F
+where
+    F: Fn(&R) -> Option<String>,
+{
+    fn key(&self, request: &R) -> Option<String> {
+        self(request)
+    }
+}
+
+impl<B> PartitionKey<http::Request<B>> for HeaderKey {
+    fn key(&self, request: &http::Request<B>) -> Option<String> {
+        let value = request.headers().get(&self.0)?.to_str().ok()?;
+        Some(value.to_owned())
+    }
 }
 
 /// What clones of one `Partitions` share.
-struct PartitionSet {
+struct PartitionSet<K> {
     base: String,
-    key: Box<KeyFn>,
+    key: K,
     limit: Box<LimitFn>,
     /// Every key's semaphore is built from these settings, under its own name and limit.
     template: SemaphoreBuilder,
@@ -82,7 +162,7 @@ struct PartitionSet {
     cache: Mutex<KeyCache>,
 }
 
-impl std::fmt::Debug for Partitions {
+impl<K> std::fmt::Debug for Partitions<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Partitions")
             .field("base", &self.inner.base)
@@ -96,9 +176,9 @@ impl std::fmt::Debug for Partitions {
 /// Settings for [`Partitions`]; made by [`Partitions::builder`]. A key extractor and a limit
 /// are required.
 #[must_use = "a builder does nothing until `build` is called"]
-pub struct PartitionsBuilder {
+pub struct PartitionsBuilder<K = HeaderKey> {
     base: String,
-    key: Option<Box<KeyFn>>,
+    key: Option<K>,
     limit: Option<Box<LimitFn>>,
     template: SemaphoreBuilder,
     capacity: usize,
@@ -106,7 +186,7 @@ pub struct PartitionsBuilder {
     without_key: WithoutKey,
 }
 
-impl std::fmt::Debug for PartitionsBuilder {
+impl<K> std::fmt::Debug for PartitionsBuilder<K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PartitionsBuilder")
             .field("base", &self.base)
@@ -116,23 +196,33 @@ impl std::fmt::Debug for PartitionsBuilder {
     }
 }
 
-impl PartitionsBuilder {
-    /// Takes the key from the request's head (method, URI, headers, extensions); `None` means
-    /// the request has no key (see [`without_key`](Self::without_key)).
-    pub fn key<F>(mut self, key: F) -> Self
+impl<K> PartitionsBuilder<K> {
+    /// Takes the key from the request with a closure over any request type (for an HTTP
+    /// request, `|req: &http::Request<Body>| ..`); `None` means the request has no key (see
+    /// [`without_key`](Self::without_key)).
+    pub fn key<F, R>(self, key: F) -> PartitionsBuilder<F>
     where
-        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+        F: Fn(&R) -> Option<String> + Send + Sync + 'static,
     {
-        self.key = Some(Box::new(key));
-        self
+        self.with_key(key)
     }
 
-    /// Takes the key from a header; a missing or non-UTF-8 value means no key.
-    pub fn key_header(self, name: HeaderName) -> Self {
-        self.key(move |parts| {
-            let value = parts.headers.get(&name)?.to_str().ok()?;
-            Some(value.to_owned())
-        })
+    /// Takes the key of an HTTP request from a header; a missing or non-UTF-8 value means no
+    /// key.
+    pub fn key_header(self, name: HeaderName) -> PartitionsBuilder<HeaderKey> {
+        self.with_key(HeaderKey(name))
+    }
+
+    fn with_key<X>(self, key: X) -> PartitionsBuilder<X> {
+        PartitionsBuilder {
+            base: self.base,
+            key: Some(key),
+            limit: self.limit,
+            template: self.template,
+            capacity: self.capacity,
+            max_key_len: self.max_key_len,
+            without_key: self.without_key,
+        }
     }
 
     /// Every key gets the same limit.
@@ -197,7 +287,7 @@ impl PartitionsBuilder {
     ///
     /// Fails with [`Error::Config`] without a key extractor or a limit, for a zero capacity or
     /// key length, or for settings [`SemaphoreBuilder::build`] refuses.
-    pub fn build<B: Backend + Clone>(self, backend: B) -> Result<Partitions, Error> {
+    pub fn build<B: Backend + Clone>(self, backend: B) -> Result<Partitions<K>, Error> {
         let base = self.base;
         let Some(key) = self.key else {
             return Err(Error::Config(format!(
@@ -248,9 +338,12 @@ impl Partitions {
             without_key: WithoutKey::Reject,
         }
     }
+}
 
+impl<K> Partitions<K> {
     /// The semaphore of `key`, built now if this process does not hold it. Fails with
-    /// [`Error::Config`] for an empty or too long key, or a limit of 0 for it.
+    /// [`Error::BadKey`] for an empty or too long key, [`Error::Config`] for a limit of 0 for
+    /// it.
     pub fn semaphore(&self, key: &str) -> Result<Semaphore, Error> {
         self.check(key)?;
         self.lookup(key)
@@ -258,8 +351,8 @@ impl Partitions {
 
     fn check(&self, key: &str) -> Result<(), Error> {
         if key.is_empty() || key.len() > self.inner.max_key_len {
-            return Err(Error::Config(format!(
-                "partition key of {} bytes for {:?}: keys must be 1 ..= {} bytes",
+            return Err(Error::BadKey(format!(
+                "a partition key of {} bytes for {:?}; keys must be 1 ..= {} bytes",
                 key.len(),
                 self.inner.base,
                 self.inner.max_key_len
@@ -288,23 +381,28 @@ impl Partitions {
     fn settings(&self, name: String, limit: u32) -> SemaphoreBuilder {
         self.inner.template.clone().named(name).limit(limit)
     }
+}
 
-    /// The semaphore a request counts against.
-    pub(crate) fn select(&self, parts: &Parts) -> Result<Semaphore, Refusal> {
-        match (self.inner.key)(parts) {
+/// The semaphore a request counts against: its key's.
+impl<K, R> Pick<R> for Partitions<K>
+where
+    K: PartitionKey<R>,
+{
+    fn pick(&self, request: &R) -> Result<Semaphore, Error> {
+        match self.inner.key.key(request) {
             Some(key) => {
-                self.check(&key).map_err(Refusal::BadKey)?;
-                self.lookup(&key).map_err(|e| {
+                self.check(&key)?;
+                self.lookup(&key).inspect_err(|e| {
                     tracing::warn!(error = %e, "cannot build a partition's semaphore");
-                    Refusal::Busy(e)
                 })
             }
             None => match &self.inner.without_key {
                 WithoutKey::Shared(sem) => Ok(sem.clone()),
-                WithoutKey::Reject => Err(Refusal::BadKey(Error::Config(format!(
-                    "the request carries no partition key for {:?}; send one or use WithoutKey::Shared",
+                WithoutKey::Reject => Err(Error::BadKey(format!(
+                    "the request carries no partition key for {:?}; send one, or use \
+                     WithoutKey::Shared for keyless requests",
                     self.inner.base
-                )))),
+                ))),
             },
         }
     }

@@ -1,27 +1,32 @@
-//! The layers: the generic one and its HTTP flavour.
+//! The layer and its builder methods, for every flavour.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
 use tower::Layer;
 
-use super::http::HttpSettings;
+use super::flavour::{Http, Plain};
 use super::key::Partitions;
-use super::limiter::{Limiter, Source};
-use super::refusal::ErrorStyle;
-use super::service::{DistributedConcurrencyLimit, HttpConcurrencyLimit};
+use super::limiter::{InPollReady, Limiter, Unweighted};
+use super::service::DistributedConcurrencyLimit;
 use crate::Semaphore;
 
 /// Caps how many requests are in flight at once across every process that shares the
 /// semaphore: each request holds a [`Permit`](crate::Permit) while the inner service handles it.
+/// It wraps a service of any request type.
 ///
 /// By default a request waits for a permit up to the semaphore's acquire timeout;
-/// [`reject_when_full`](Self::reject_when_full) refuses at once instead. Refusals are errors
-/// that downcast to [`Error`](crate::Error); [`http`](Self::http) turns them into 503 responses
-/// for HTTP servers, and `grpc` (feature `tonic`) into `tonic::Status`es.
-/// [`partitioned`](Self::partitioned) gives each key (an API key, a tenant) its own limit.
+/// [`reject_when_full`](Self::reject_when_full) refuses at once instead.
+/// [`weight_by`](Self::weight_by) makes heavier requests take more permits;
+/// [`partitioned`](Self::partitioned) gives each key (an API key, a tenant) its own limit;
+/// [`acquire_in_poll_ready`](Self::acquire_in_poll_ready) reserves the permit in `poll_ready`
+/// for `Buffer`, `balance` and `LoadShed` stacks.
+///
+/// The first type parameter is the flavour, how a refusal reaches the caller: [`Plain`]
+/// (errors that downcast to [`Error`](crate::Error)), or [`Http`] from [`http`](Self::http)
+/// (503 responses) and `grpc` (feature `tonic`, gRPC statuses). Every builder method works in
+/// any order and on every flavour.
 ///
 /// # Example
 ///
@@ -29,111 +34,31 @@ use crate::Semaphore;
 /// use tower::{ServiceBuilder, ServiceExt, service_fn};
 /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, FencingToken, MemoryBackend, Semaphore};
 ///
+/// struct Job { images: u32 }
+///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
 /// // In production: RedisBackend::connect("redis://...").await?, shared by every instance.
-/// let sem = Semaphore::builder("llm-api").limit(20).build(MemoryBackend::new())?;
-/// let client = ServiceBuilder::new()
-///     .layer(DistributedConcurrencyLimitLayer::new(sem))
-///     .service(service_fn(|req: http::Request<()>| async move {
-///         let token = req.extensions().get::<FencingToken>().copied();
-///         Ok::<_, tower::BoxError>(token)
+/// let gpu = Semaphore::builder("gpu").limit(20).build(MemoryBackend::new())?;
+/// let runner = ServiceBuilder::new()
+///     .layer(DistributedConcurrencyLimitLayer::new(gpu).weight_by(|job: &Job| job.images))
+///     .service(service_fn(|job: Job| async move {
+///         let token = FencingToken::current().expect("called by the layer");
+///         Ok::<_, tower::BoxError>((job.images, token))
 ///     }));
-/// let token = client.oneshot(http::Request::new(())).await?;
-/// assert!(token.is_some());
+/// let (images, _token) = runner.oneshot(Job { images: 8 }).await?;
+/// assert_eq!(images, 8);
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 #[must_use = "a layer does nothing until it wraps a service"]
-pub struct DistributedConcurrencyLimitLayer {
-    limiter: Limiter,
-    errors: ErrorStyle,
+pub struct DistributedConcurrencyLimitLayer<F = Plain, K = Semaphore, W = Unweighted> {
+    limiter: Limiter<K, W>,
+    flavour: F,
 }
 
-impl DistributedConcurrencyLimitLayer {
-    /// Every request takes one permit of `semaphore`.
-    pub fn new(semaphore: Semaphore) -> Self {
-        Self::with_source(Source::One(semaphore))
-    }
-
-    /// Every request takes one permit of its key's semaphore; see [`Partitions`].
-    pub fn partitioned(partitions: Partitions) -> Self {
-        Self::with_source(Source::Partitioned(partitions))
-    }
-
-    fn with_source(source: Source) -> Self {
-        DistributedConcurrencyLimitLayer {
-            limiter: Limiter::new(source),
-            errors: ErrorStyle::Error,
-        }
-    }
-
-    /// Refuse a request at once when no permit is free, instead of waiting up to the
-    /// semaphore's acquire timeout. The refusal is an [`Error::Timeout`](crate::Error::Timeout)
-    /// whose `waited` is the length of the single attempt.
-    pub fn reject_when_full(mut self) -> Self {
-        self.limiter.wait = false;
-        self
-    }
-
-    /// Wait up to the semaphore's acquire timeout for a permit (the default).
-    pub fn wait_when_full(mut self) -> Self {
-        self.limiter.wait = true;
-        self
-    }
-
-    /// Abort a request whose permit's lease is lost before its response is ready: the inner
-    /// future is dropped and the request fails with [`Error::LeaseLost`](crate::Error::LeaseLost)
-    /// (answered like a refusal in [`http`](Self::http) mode). Off by default: leases are
-    /// renewed while the request runs, so a lease is only lost when Redis cannot be reached
-    /// for a whole lease or the process was paused, and the fencing token already protects a
-    /// resource that checks it; turn it on when running past a lost lease is worse than
-    /// failing. A streaming response body is not cut once its head was sent.
-    pub fn abort_when_lease_lost(mut self) -> Self {
-        self.limiter.abort_on_lost = true;
-        self
-    }
-
-    /// Refusals become `tonic::Status`es: `RESOURCE_EXHAUSTED` when no permit came free,
-    /// `UNAVAILABLE` when the backend failed, `INVALID_ARGUMENT` for a bad partition key. The
-    /// crate's [`Error`](crate::Error) is the status's
-    /// [`source`](std::error::Error::source). Use it on a tonic client stack, where tonic looks
-    /// for a `Status` in the error and reports anything else as `UNKNOWN`.
-    ///
-    /// ```
-    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
-    ///
-    /// let sem = Semaphore::builder("grpc-upstream").limit(8).build(MemoryBackend::new()).unwrap();
-    /// let layer = DistributedConcurrencyLimitLayer::new(sem).grpc();
-    /// # let _ = layer;
-    /// ```
-    #[cfg(feature = "tonic")]
-    pub fn grpc(mut self) -> Self {
-        self.errors = ErrorStyle::Status;
-        self
-    }
-
-    /// The HTTP flavour: a refused request is answered 503 Service Unavailable with
-    /// `Retry-After: 1`, and the permit is held until the response body ends. A failing backend
-    /// gets the same answer (fail closed); a missing or invalid partition key gets 400.
-    pub fn http(self) -> HttpConcurrencyLimitLayer {
-        HttpConcurrencyLimitLayer {
-            limiter: self.limiter,
-            settings: Arc::new(HttpSettings::default()),
-        }
-    }
-}
-
-impl<S> Layer<S> for DistributedConcurrencyLimitLayer {
-    type Service = DistributedConcurrencyLimit<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        DistributedConcurrencyLimit::new(inner, self.limiter.clone(), self.errors)
-    }
-}
-
-/// [`DistributedConcurrencyLimitLayer`] for HTTP servers: refusals are answered with a
-/// response, and the permit lives until the response body ends. Made by
-/// [`DistributedConcurrencyLimitLayer::http`].
+/// [`DistributedConcurrencyLimitLayer`] in its HTTP flavour, made by
+/// [`http`](DistributedConcurrencyLimitLayer::http): refusals are answered with a response,
+/// and the permit lives until the response body ends.
 ///
 /// # Example
 ///
@@ -155,49 +80,340 @@ impl<S> Layer<S> for DistributedConcurrencyLimitLayer {
 ///             .http()
 ///             .status(StatusCode::TOO_MANY_REQUESTS)
 ///             .body("busy, try again in a few seconds")
-///             .retry_after(Some(Duration::from_secs(5))),
+///             .retry_after(Some(Duration::from_secs(5)))
+///             .reject_when_full(),
 ///     );
 /// # let _ = app;
 /// ```
-#[derive(Debug, Clone)]
-#[must_use = "a layer does nothing until it wraps a service"]
-pub struct HttpConcurrencyLimitLayer {
-    limiter: Limiter,
-    settings: Arc<HttpSettings>,
+pub type HttpConcurrencyLimitLayer<K = Semaphore, W = Unweighted> =
+    DistributedConcurrencyLimitLayer<Http, K, W>;
+
+impl DistributedConcurrencyLimitLayer {
+    /// Every request takes one permit of `semaphore`.
+    pub fn new(semaphore: Semaphore) -> Self {
+        Self::with_source(semaphore)
+    }
+
+    /// Every request takes one permit of its key's semaphore; see [`Partitions`].
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Partitions};
+    ///
+    /// let partitions = Partitions::builder("api")
+    ///     .key_header(HeaderName::from_static("x-api-key"))
+    ///     .limit(5)
+    ///     .build(MemoryBackend::new())
+    ///     .unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::partitioned(partitions).http();
+    /// # let _ = layer;
+    /// ```
+    pub fn partitioned<X>(
+        partitions: Partitions<X>,
+    ) -> DistributedConcurrencyLimitLayer<Plain, Partitions<X>> {
+        DistributedConcurrencyLimitLayer::with_source(partitions)
+    }
 }
 
-impl HttpConcurrencyLimitLayer {
+impl<K> DistributedConcurrencyLimitLayer<Plain, K> {
+    fn with_source(source: K) -> Self {
+        DistributedConcurrencyLimitLayer {
+            limiter: Limiter {
+                source,
+                weigh: Unweighted,
+                wait: true,
+                abort_on_lost: false,
+                reserve: None,
+            },
+            flavour: Plain,
+        }
+    }
+}
+
+impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
+    /// Refuse a request at once when no permit is free, instead of waiting up to the
+    /// semaphore's acquire timeout. The refusal is an [`Error::Full`](crate::Error::Full)
+    /// (503 in the HTTP flavour, `RESOURCE_EXHAUSTED` in the gRPC one).
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).reject_when_full().http();
+    /// # let _ = layer;
+    /// ```
+    pub fn reject_when_full(mut self) -> Self {
+        self.limiter.wait = false;
+        self
+    }
+
+    /// Wait up to the semaphore's acquire timeout for a permit (the default). The timeout
+    /// bounds the wait in line only: with a free slot even a 1 ms timeout admits the request.
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).reject_when_full().wait_when_full();
+    /// # let _ = layer;
+    /// ```
+    pub fn wait_when_full(mut self) -> Self {
+        self.limiter.wait = true;
+        self
+    }
+
+    /// Abort a request whose permit's lease is lost before its response is ready: the inner
+    /// future is dropped and the request fails with [`Error::LeaseLost`](crate::Error::LeaseLost)
+    /// (answered like a refusal in the HTTP flavour). Off by default: leases are
+    /// renewed while the request runs, so a lease is only lost when Redis cannot be reached
+    /// for a whole lease or the process was paused, and the fencing token already protects a
+    /// resource that checks it; turn it on when running past a lost lease is worse than
+    /// failing. A streaming response body is not cut once its head was sent.
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("payments").limit(4).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).abort_when_lease_lost();
+    /// # let _ = layer;
+    /// ```
+    pub fn abort_when_lease_lost(mut self) -> Self {
+        self.limiter.abort_on_lost = true;
+        self
+    }
+
+    /// The HTTP flavour: a refused request is answered 503 Service Unavailable with
+    /// `Retry-After: 1`, the permit is held until the response body ends, and the handler also
+    /// finds the [`FencingToken`](super::FencingToken) in the request's extensions. A failing
+    /// backend and a request heavier than the limit get the same answer (fail closed); a
+    /// missing or invalid partition key gets 400. Callable before or after any other builder
+    /// method; on a `grpc` layer it switches back to HTTP answers, keeping the settings.
+    pub fn http(self) -> DistributedConcurrencyLimitLayer<Http, K, W>
+    where
+        F: Into<Http>,
+    {
+        let mut flavour: Http = self.flavour.into();
+        flavour.settings_mut().answer = super::http::Answer::Http;
+        DistributedConcurrencyLimitLayer {
+            limiter: self.limiter,
+            flavour,
+        }
+    }
+
+    /// The gRPC flavour, for tonic servers and clients: a refused request is answered with a
+    /// gRPC status in a trailers-only response (HTTP 200, `grpc-status`, `grpc-message`):
+    /// `RESOURCE_EXHAUSTED` when no permit came free, `UNAVAILABLE` when the backend failed,
+    /// `INVALID_ARGUMENT` for a bad partition key or a request heavier than the limit,
+    /// `ABORTED` for a lost lease. A tonic server sends it as is; a tonic client reads it as
+    /// the `Status` its call returns. Otherwise like [`http`](Self::http): the permit is held
+    /// until the response body ends (a streaming RPC keeps its slot).
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("grpc-upstream").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).grpc().reject_when_full();
+    /// # let _ = layer;
+    /// ```
+    #[cfg(feature = "tonic")]
+    pub fn grpc(self) -> DistributedConcurrencyLimitLayer<Http, K, W>
+    where
+        F: Into<Http>,
+    {
+        let mut layer = self.http();
+        layer.flavour.settings_mut().answer = super::http::Answer::Grpc;
+        layer
+    }
+}
+
+impl<F, K> DistributedConcurrencyLimitLayer<F, K, Unweighted> {
+    /// A request takes `weight(&request)` permits, as one holder (a batch of 8 images takes 8
+    /// slots of a GPU limited to 20). A weight of 0 or above the limit is refused at once,
+    /// never waited for: [`Error::Config`](crate::Error::Config) in the generic flavour, 503
+    /// in the HTTP one, `INVALID_ARGUMENT` in the gRPC one.
+    ///
+    /// Not available with [`acquire_in_poll_ready`](Self::acquire_in_poll_ready): `poll_ready`
+    /// does not see the request.
+    ///
+    /// ```
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Error, MemoryBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+    /// let gpu = Semaphore::builder("gpu").limit(20).build(MemoryBackend::new())?;
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(DistributedConcurrencyLimitLayer::new(gpu).weight_by(|images: &u32| *images))
+    ///     .service(service_fn(|images: u32| async move { Ok::<_, tower::BoxError>(images) }));
+    /// assert_eq!(svc.clone().oneshot(8).await?, 8);
+    /// let err = svc.oneshot(21).await.unwrap_err(); // heavier than the whole limit
+    /// assert!(matches!(err.downcast_ref::<Error>(), Some(Error::Config(_))));
+    /// # Ok(()) }
+    /// ```
+    pub fn weight_by<G, R>(self, weight: G) -> DistributedConcurrencyLimitLayer<F, K, G>
+    where
+        G: Fn(&R) -> u32,
+    {
+        let Limiter {
+            source,
+            wait,
+            abort_on_lost,
+            reserve,
+            weigh: Unweighted,
+        } = self.limiter;
+        DistributedConcurrencyLimitLayer {
+            limiter: Limiter {
+                source,
+                weigh: weight,
+                wait,
+                abort_on_lost,
+                reserve,
+            },
+            flavour: self.flavour,
+        }
+    }
+}
+
+impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
+    /// Reserve the permit in `poll_ready` and hand it to the request in `call`, as tower's
+    /// `ConcurrencyLimit` does: a service is not ready while the semaphore is full, so
+    /// `LoadShed` sheds, `Buffer` stops draining and p2c `balance` picks another endpoint.
+    ///
+    /// The default (the permit taken in the response future) is right for servers: hyper and
+    /// axum call `poll_ready` per request anyway, and no permit ever sits in an idle service.
+    /// Here a ready service holds a permit until it is called: a clone starts without one, and
+    /// a ready service dropped without a call releases its own; a reserved permit is renewed
+    /// like any other. A wait that runs out, or a failing backend, makes the service ready
+    /// and fails the next call (an error from `poll_ready` would break a `Buffer` for good).
+    ///
+    /// One semaphore only: a partition or a weight needs the request, which `poll_ready` does
+    /// not see, so `partitioned(..).acquire_in_poll_ready()` and `weight_by` with it do not
+    /// compile.
+    ///
+    /// ```
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+    /// let sem = Semaphore::builder("upstream").limit(1).build(MemoryBackend::new())?;
+    /// let svc = ServiceBuilder::new()
+    ///     .load_shed()
+    ///     .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).acquire_in_poll_ready())
+    ///     .service(service_fn(|n: u32| async move { Ok::<_, tower::BoxError>(n) }));
+    /// assert_eq!(svc.clone().oneshot(1).await?, 1);
+    /// let _held = sem.acquire().await?; // full now: shed at once, not queued
+    /// let err = svc.oneshot(2).await.unwrap_err();
+    /// assert!(err.is::<tower::load_shed::error::Overloaded>());
+    /// # Ok(()) }
+    /// ```
+    pub fn acquire_in_poll_ready(
+        self,
+    ) -> DistributedConcurrencyLimitLayer<F, Semaphore, InPollReady> {
+        let Limiter {
+            source,
+            wait,
+            abort_on_lost,
+            weigh: Unweighted,
+            ..
+        } = self.limiter;
+        DistributedConcurrencyLimitLayer {
+            limiter: Limiter {
+                reserve: Some(source.clone()),
+                source,
+                weigh: InPollReady,
+                wait,
+                abort_on_lost,
+            },
+            flavour: self.flavour,
+        }
+    }
+}
+
+impl<K, W> DistributedConcurrencyLimitLayer<Http, K, W> {
     /// The status of a refused request (default 503 Service Unavailable).
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).http().status(StatusCode::TOO_MANY_REQUESTS);
+    /// # let _ = layer;
+    /// ```
     pub fn status(mut self, status: StatusCode) -> Self {
-        Arc::make_mut(&mut self.settings).status = status;
+        self.flavour.settings_mut().status = status;
         self
     }
 
     /// The body of a refused request (default: a short plain-text sentence).
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).http().body("busy");
+    /// # let _ = layer;
+    /// ```
     pub fn body(mut self, body: impl Into<Bytes>) -> Self {
-        Arc::make_mut(&mut self.settings).body = body.into();
+        self.flavour.settings_mut().body = body.into();
         self
     }
 
     /// The `Retry-After` of a refused request, in whole seconds rounded up (default 1 s);
     /// `None` sends none.
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).http().retry_after(None);
+    /// # let _ = layer;
+    /// ```
     pub fn retry_after(mut self, after: Option<Duration>) -> Self {
-        Arc::make_mut(&mut self.settings).retry_after = after;
+        self.flavour.settings_mut().retry_after = after;
         self
     }
 
     /// Release the permit as soon as the response head is ready instead of when its body ends.
     /// Right when the body is cheap to produce and a slow client should not hold a slot.
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).http().release_at_head();
+    /// # let _ = layer;
+    /// ```
     pub fn release_at_head(mut self) -> Self {
-        Arc::make_mut(&mut self.settings).hold_until_body_end = false;
+        self.flavour.settings_mut().hold_until_body_end = false;
+        self
+    }
+
+    /// Send `RateLimit-Policy: "concurrency";q=<limit>;qu="concurrent-requests"` (IETF httpapi
+    /// ratelimit-headers draft) on refusals, with the limit of the semaphore the request was
+    /// refused by. Off by default.
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem).http().ratelimit_policy_header();
+    /// # let _ = layer;
+    /// ```
+    pub fn ratelimit_policy_header(mut self) -> Self {
+        self.flavour.settings_mut().policy_header = true;
         self
     }
 }
 
-impl<S> Layer<S> for HttpConcurrencyLimitLayer {
-    type Service = HttpConcurrencyLimit<S>;
+impl<S, F, K, W> Layer<S> for DistributedConcurrencyLimitLayer<F, K, W>
+where
+    F: Clone,
+    K: Clone,
+    W: Clone,
+{
+    type Service = DistributedConcurrencyLimit<S, F, K, W>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        HttpConcurrencyLimit::new(inner, self.limiter.clone(), self.settings.clone())
+        DistributedConcurrencyLimit::new(inner, self.limiter.clone(), self.flavour.clone())
     }
 }

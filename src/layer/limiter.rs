@@ -1,104 +1,174 @@
-//! Which semaphore a request counts against, and the future that takes its permit.
+//! Which semaphore a request counts against, how many permits it takes, and the future that
+//! takes them.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::task::{Context, Poll};
 
-use http::request::Parts;
-use tokio::time::Instant;
-
-use super::key::Partitions;
-use super::refusal::Refusal;
 use crate::{Error, Permit, Semaphore};
 
-/// The fencing token of the permit a request holds, put in the request's extensions by the
-/// layer before the inner service is called.
-///
-/// Tokens strictly increase per semaphore across every process: pass the token along with
-/// writes to a resource that remembers the highest one it saw, and it can refuse a holder that
-/// was paused past its lease.
+/// Picks the semaphore a request counts against: a [`Semaphore`] for every request, or
+/// [`Partitions`](super::Partitions) by the request's key.
 ///
 /// # Example
 ///
 /// ```
-/// use axum::{Extension, Router, routing::get};
-/// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, FencingToken, MemoryBackend, Semaphore};
+/// use tower_distributed_limit::{MemoryBackend, Semaphore};
+/// use tower_distributed_limit::layer::Pick;
 ///
-/// async fn handler(Extension(FencingToken(token)): Extension<FencingToken>) -> String {
-///     format!("writing with token {token}")
-/// }
-///
-/// let sem = Semaphore::builder("db").limit(30).build(MemoryBackend::new()).unwrap();
-/// let app: Router = Router::new()
-///     .route("/", get(handler))
-///     .layer(DistributedConcurrencyLimitLayer::new(sem).http());
-/// # let _ = app;
+/// let sem = Semaphore::builder("jobs").limit(2).build(MemoryBackend::new()).unwrap();
+/// assert_eq!(Pick::<String>::pick(&sem, &"any request".to_owned()).unwrap().name(), "jobs");
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct FencingToken(pub u64);
+pub trait Pick<R> {
+    /// The request's semaphore. [`Error::BadKey`] for a missing or invalid key; other errors
+    /// (a partition that cannot be built) are answered like a failing backend.
+    fn pick(&self, request: &R) -> Result<Semaphore, Error>;
+}
 
-/// Takes the permit of one request.
-pub(crate) type Acquire = Pin<Box<dyn Future<Output = Result<Permit, Refusal>> + Send>>;
+impl<R> Pick<R> for Semaphore {
+    fn pick(&self, _: &R) -> Result<Semaphore, Error> {
+        Ok(self.clone())
+    }
+}
 
-/// What both flavours share: which semaphore a request needs and how long to wait for it.
-#[derive(Clone)]
-pub(crate) struct Limiter {
-    source: Source,
+/// How many permits a request takes: [`Unweighted`] (one each) or a closure over the request,
+/// set with [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by).
+///
+/// # Example
+///
+/// ```
+/// use tower_distributed_limit::layer::{Unweighted, Weigh};
+///
+/// struct Batch { images: u32 }
+/// let by_size = |batch: &Batch| batch.images;
+/// assert_eq!(by_size.weigh(&Batch { images: 8 }), 8);
+/// assert_eq!(Unweighted.weigh(&Batch { images: 8 }), 1);
+/// ```
+pub trait Weigh<R> {
+    /// The weight of `request`: how many permits it holds, as one holder.
+    fn weigh(&self, request: &R) -> u32;
+}
+
+impl<R, F> Weigh<R> for F
+where
+    F: Fn(&R) -> u32,
+{
+    fn weigh(&self, request: &R) -> u32 {
+        self(request)
+    }
+}
+
+/// Every request takes one permit (the default).
+///
+/// ```
+/// use tower_distributed_limit::layer::{Unweighted, Weigh};
+/// assert_eq!(Unweighted.weigh(&"request"), 1);
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unweighted;
+
+impl<R> Weigh<R> for Unweighted {
+    fn weigh(&self, _: &R) -> u32 {
+        1
+    }
+}
+
+/// One permit per request, reserved in `poll_ready`; set by
+/// [`acquire_in_poll_ready`](super::DistributedConcurrencyLimitLayer::acquire_in_poll_ready).
+/// As a type it keeps [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) away:
+/// a weight needs the request, which `poll_ready` never sees.
+///
+/// ```
+/// use tower_distributed_limit::layer::{InPollReady, Weigh};
+/// assert_eq!(InPollReady.weigh(&"request"), 1);
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InPollReady;
+
+impl<R> Weigh<R> for InPollReady {
+    fn weigh(&self, _: &R) -> u32 {
+        1
+    }
+}
+
+/// What every flavour shares: where permits come from and how a request waits for them.
+#[derive(Debug, Clone)]
+pub(crate) struct Limiter<K, W> {
+    pub(crate) source: K,
+    pub(crate) weigh: W,
     /// Wait up to the semaphore's acquire timeout (true) or make a single attempt.
     pub(crate) wait: bool,
     /// Abort the inner call when the permit's lease is lost before the response.
     pub(crate) abort_on_lost: bool,
+    /// The semaphore whose permit is reserved in `poll_ready`, if the layer does so.
+    pub(crate) reserve: Option<Semaphore>,
 }
 
-#[derive(Clone)]
-pub(crate) enum Source {
-    One(Semaphore),
-    Partitioned(Partitions),
+type Pending = Pin<Box<dyn Future<Output = Result<Permit, Error>> + Send>>;
+
+/// The permit of one request: taken already (reserved in `poll_ready`, or refused before any
+/// wait), or still to take.
+pub(crate) enum Acquire {
+    Now(Option<Result<Permit, Error>>),
+    Later(Pending),
 }
 
-impl std::fmt::Debug for Limiter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut s = f.debug_struct("Limiter");
-        match &self.source {
-            Source::One(sem) => s.field("semaphore", sem),
-            Source::Partitioned(p) => s.field("partitions", p),
-        };
-        s.field("wait", &self.wait)
-            .field("abort_on_lost", &self.abort_on_lost)
-            .finish()
+impl Acquire {
+    /// Waits for `weight` permits of `semaphore`, or makes one attempt when `wait` is false.
+    pub(crate) fn start(semaphore: Semaphore, weight: u32, wait: bool) -> Self {
+        Acquire::Later(Box::pin(async move {
+            if wait {
+                return semaphore.acquire_many(weight).await;
+            }
+            semaphore.try_acquire_many(weight).await?.ok_or(Error::Full)
+        }))
     }
 }
 
-impl Limiter {
-    pub(crate) fn new(source: Source) -> Self {
-        Limiter {
-            source,
-            wait: true,
-            abort_on_lost: false,
+impl Future for Acquire {
+    type Output = Result<Permit, Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut *self {
+            Acquire::Later(pending) => pending.as_mut().poll(cx),
+            Acquire::Now(done) => Poll::Ready(done.take().unwrap_or_else(|| {
+                Err(Error::config(
+                    "a permit was asked for twice; this is a bug in tower-distributed-limit",
+                ))
+            })),
         }
     }
+}
 
-    /// Picks the request's semaphore now and returns the future that takes its permit.
-    pub(crate) fn acquire(&self, parts: &Parts) -> Acquire {
-        let semaphore = match &self.source {
-            Source::One(sem) => Ok(sem.clone()),
-            Source::Partitioned(partitions) => partitions.select(parts),
-        };
-        let wait = self.wait;
-        Box::pin(async move {
-            let semaphore = semaphore?;
-            if wait {
-                return semaphore.acquire().await.map_err(Refusal::Busy);
+impl<K, W> Limiter<K, W> {
+    /// The permit for `request`: the reservation made in `poll_ready`, or picks its
+    /// semaphore and weight now and returns the future that takes them. The limit is the
+    /// picked semaphore's, for the refusal's `RateLimit-Policy`.
+    pub(crate) fn admit<R>(
+        &self,
+        request: &R,
+        reserved: Option<Result<Permit, Error>>,
+    ) -> (Acquire, Option<u32>)
+    where
+        K: Pick<R>,
+        W: Weigh<R>,
+    {
+        if let Some(semaphore) = &self.reserve {
+            let reserved = reserved.unwrap_or_else(|| {
+                Err(Error::config(
+                    "call() without a successful poll_ready() on a layer that reserves its \
+                     permit in poll_ready; drive the service with ServiceExt::ready first",
+                ))
+            });
+            return (Acquire::Now(Some(reserved)), Some(semaphore.limit()));
+        }
+        match self.source.pick(request) {
+            Ok(semaphore) => {
+                let limit = semaphore.limit();
+                let weight = self.weigh.weigh(request);
+                (Acquire::start(semaphore, weight, self.wait), Some(limit))
             }
-            let started = Instant::now();
-            match semaphore.try_acquire().await {
-                Ok(Some(permit)) => Ok(permit),
-                // Full at once: reported as a wait that ended with nothing, so callers match
-                // one error for "no permit" whichever way the layer waits.
-                Ok(None) => Err(Refusal::Busy(Error::Timeout {
-                    waited: started.elapsed(),
-                })),
-                Err(e) => Err(Refusal::Busy(e)),
-            }
-        })
+            Err(e) => (Acquire::Now(Some(Err(e))), None),
+        }
     }
 }

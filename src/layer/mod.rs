@@ -1,46 +1,60 @@
 //! The tower layer: one concurrency limit for every instance of a service, shared through the
 //! semaphore's backend.
 //!
-//! [`DistributedConcurrencyLimitLayer`] wraps any tower service that takes `http::Request`s
-//! (an axum `Router`, a tonic `Channel`, a hyper-util `Client`). Each request takes a
-//! [`Permit`] before the inner service sees it and gives it back when its
-//! response is done. Two flavours:
+//! [`DistributedConcurrencyLimitLayer`] wraps any tower service, whatever its request type (a
+//! job runner, a database client, an axum `Router`, a tonic `Channel`). Each request takes
+//! [`Permit`](crate::Permit)s before the inner service sees it and gives them back when its
+//! response is done. Flavours, chosen by builder methods in any order:
 //!
-//! - **generic** ([`DistributedConcurrencyLimit`]): a request that gets no permit fails with a
-//!   [`tower::BoxError`] that downcasts to [`Error`], so it composes with
+//! - **generic** ([`Plain`], the default): a request that gets no permit fails with a
+//!   [`tower::BoxError`] that downcasts to [`Error`](crate::Error), so it composes with
 //!   `ServiceBuilder`, `HandleErrorLayer`, timeouts and retries. The permit is released when the
-//!   response (its head) arrives. With the `tonic` feature, `DistributedConcurrencyLimitLayer::grpc`
-//!   turns refusals into `tonic::Status`es instead.
-//! - **HTTP** ([`HttpConcurrencyLimit`], from [`http`](DistributedConcurrencyLimitLayer::http)):
-//!   a request that gets no permit is answered 503 Service Unavailable with `Retry-After`, and
-//!   the permit rides in the response body until its last byte, so one line on an axum `Router`
-//!   is enough.
+//!   response arrives. The inner service reads the token with [`FencingToken::current`].
+//! - **HTTP** ([`Http`], from [`http`](DistributedConcurrencyLimitLayer::http)): a request that
+//!   gets no permit is answered 503 Service Unavailable with `Retry-After`, the permit rides in
+//!   the response body until its last byte, and the token is also a request extension, so one
+//!   line on an axum `Router` is enough.
+//! - **gRPC** (`grpc`, feature `tonic`): the HTTP flavour answering with gRPC statuses, for
+//!   tonic servers and clients.
+//!
+//! Requests take one permit each unless [`weight_by`](DistributedConcurrencyLimitLayer::weight_by)
+//! says more; [`Partitions`] give each key its own semaphore.
 //!
 //! # Where the permit is taken
 //!
-//! The permit is acquired inside the response future, after `call`, and the inner service is
-//! called only once it is held; `poll_ready` only forwards to the inner service. Two reasons:
-//! a per-key limit ([`Partitions`]) needs the request to pick its semaphore, which `poll_ready`
-//! never sees; and a permit reserved in `poll_ready` would have to live in the service, where a
-//! ready service that is dropped or cloned without being called could strand it. Here no permit
-//! ever lives in a service: dropping the response future (a client went away, a timeout fired)
-//! drops the permit, which is released in the background. As in tower's `AsyncFilter`, `call`
-//! moves the ready inner service into the future, so the inner readiness (a `Buffer` slot, say)
-//! stays reserved while the request waits for its permit.
+//! By default the permit is acquired inside the response future, after `call`, and the inner
+//! service is called only once it is held; `poll_ready` only forwards to the inner service. Two
+//! reasons: a per-key limit or a weight needs the request, which `poll_ready` never sees; and no
+//! permit ever lives in a service, so an idle or cloned service holds nothing: dropping the
+//! response future (a client went away, a timeout fired) drops the permit, which is released in
+//! the background. As in tower's `AsyncFilter`, `call` moves the ready inner service into the
+//! future, so the inner readiness (a `Buffer` slot, say) stays reserved while the request waits
+//! for its permit. This suits servers: hyper and axum call `poll_ready` once per request.
 //!
-//! The handler sees the permit's [`FencingToken`] as a request extension.
+//! Stacks that read readiness as capacity (`Buffer`, p2c `balance`, `LoadShed`) need the
+//! other way, [`acquire_in_poll_ready`](DistributedConcurrencyLimitLayer::acquire_in_poll_ready):
+//! the permit is reserved in `poll_ready`, as tower's `ConcurrencyLimit` does, so a full
+//! semaphore makes the service not ready.
 #![allow(clippy::module_inception)] // `layer::layer`, as in tower's `limit::concurrency`
 
 pub mod body;
+#[cfg(feature = "axum")]
+mod extract;
+mod flavour;
 pub mod future;
+#[cfg(feature = "tonic")]
+mod grpc;
 mod http;
 mod key;
 mod layer;
 mod limiter;
-mod refusal;
+mod reserve;
 mod service;
+mod token;
 
-pub use self::key::{Partitions, PartitionsBuilder, WithoutKey};
+pub use self::flavour::{Http, Plain};
+pub use self::key::{HeaderKey, PartitionKey, Partitions, PartitionsBuilder, WithoutKey};
 pub use self::layer::{DistributedConcurrencyLimitLayer, HttpConcurrencyLimitLayer};
-pub use self::limiter::FencingToken;
+pub use self::limiter::{InPollReady, Pick, Unweighted, Weigh};
 pub use self::service::{DistributedConcurrencyLimit, HttpConcurrencyLimit};
+pub use self::token::FencingToken;

@@ -1,41 +1,34 @@
-//! The services the layer builds.
+//! The service the layer builds, one per flavour: pick the semaphore (or take the permit
+//! reserved in `poll_ready`), move the ready inner service into the future.
 
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use http::{Request, Response};
 use tower::{BoxError, Service};
 
-use super::future::{HttpResponseFuture, Limited, ResponseFuture};
-use super::http::HttpSettings;
-use super::limiter::Limiter;
-use super::refusal::ErrorStyle;
+use super::flavour::{Http, Plain};
+use super::future::{HttpResponseFuture, Limited, ResponseFuture, Stamp, extension, unstamped};
+use super::limiter::{Limiter, Pick, Unweighted, Weigh};
+use super::reserve::Reservation;
+use crate::Semaphore;
 
-/// Picks the request's semaphore and moves the ready inner service into the future, leaving a
-/// fresh clone behind for the next `poll_ready` (tower's `AsyncFilter` pattern).
-fn start<S, B>(limiter: &Limiter, inner: &mut S, request: Request<B>) -> Limited<S, B>
-where
-    S: Service<Request<B>> + Clone,
-{
-    let (parts, body) = request.into_parts();
-    let acquire = limiter.acquire(&parts);
-    let request = Request::from_parts(parts, body);
-    let fresh = inner.clone();
-    let ready = std::mem::replace(inner, fresh);
-    Limited::new(acquire, ready, request, limiter.abort_on_lost)
-}
-
-/// A service whose requests each hold a permit of a distributed semaphore while the inner
+/// A service whose requests each hold permits of a distributed semaphore while the inner
 /// service handles them; made by [`DistributedConcurrencyLimitLayer`](super::DistributedConcurrencyLimitLayer).
 ///
-/// Refusals are [`BoxError`]s that downcast to [`Error`](crate::Error): [`Error::Timeout`](crate::Error::Timeout)
-/// when no permit came free, [`Error::Backend`](crate::Error::Backend) when the backend failed,
-/// [`Error::Config`](crate::Error::Config) for a missing or invalid partition key.
+/// The type parameters are the layer's: the flavour `F` ([`Plain`] or [`Http`]), where
+/// permits come from `K` (a [`Semaphore`] or [`Partitions`](super::Partitions)) and how many a
+/// request takes `W`.
+///
+/// In the generic flavour, refusals are [`BoxError`]s that downcast to
+/// [`Error`](crate::Error): [`Error::Full`](crate::Error::Full) when the layer does not wait,
+/// [`Error::Timeout`](crate::Error::Timeout) when a wait ran out,
+/// [`Error::Backend`](crate::Error::Backend) when the backend failed,
+/// [`Error::BadKey`](crate::Error::BadKey) for a missing or invalid partition key,
+/// [`Error::Config`](crate::Error::Config) for a weight of 0 or above the limit.
 ///
 /// # Example
 ///
 /// ```
-/// use std::time::Duration;
 /// use tower::{Service, ServiceExt, service_fn};
 /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Error, MemoryBackend, Semaphore};
 ///
@@ -43,66 +36,24 @@ where
 /// let sem = Semaphore::builder("api").limit(1).build(MemoryBackend::new())?;
 /// let mut svc = tower::ServiceBuilder::new()
 ///     .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).reject_when_full())
-///     .service(service_fn(|_req: http::Request<()>| async { Ok::<_, tower::BoxError>("done") }));
+///     .service(service_fn(|_job: u32| async { Ok::<_, tower::BoxError>("done") }));
 ///
 /// let _held = sem.acquire().await?; // someone else holds the only permit
-/// let err = svc.ready().await?.call(http::Request::new(())).await.unwrap_err();
-/// assert!(matches!(err.downcast_ref::<Error>(), Some(Error::Timeout { .. })));
+/// let err = svc.ready().await?.call(7).await.unwrap_err();
+/// assert!(matches!(err.downcast_ref::<Error>(), Some(Error::Full)));
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
-pub struct DistributedConcurrencyLimit<S> {
+pub struct DistributedConcurrencyLimit<S, F = Plain, K = Semaphore, W = Unweighted> {
     inner: S,
-    limiter: Limiter,
-    errors: ErrorStyle,
+    limiter: Limiter<K, W>,
+    flavour: F,
+    reservation: Reservation,
 }
 
-impl<S> DistributedConcurrencyLimit<S> {
-    pub(crate) fn new(inner: S, limiter: Limiter, errors: ErrorStyle) -> Self {
-        DistributedConcurrencyLimit {
-            inner,
-            limiter,
-            errors,
-        }
-    }
-
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Unwraps the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
-}
-
-impl<S, B> Service<Request<B>> for DistributedConcurrencyLimit<S>
-where
-    S: Service<Request<B>> + Clone,
-    S::Error: Into<BoxError>,
-{
-    type Response = S::Response;
-    type Error = BoxError;
-    type Future = ResponseFuture<S, B>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // No permit is reserved here; see the module docs.
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, request: Request<B>) -> Self::Future {
-        ResponseFuture::new(start(&self.limiter, &mut self.inner, request), self.errors)
-    }
-}
-
-/// The HTTP flavour: a refused request is answered by the service itself (503 and
-/// `Retry-After` by default) and the permit is held until the response body ends; made by
+/// The HTTP flavour of [`DistributedConcurrencyLimit`]: a refused request is answered by the
+/// service itself (503 and `Retry-After` by default, a gRPC status for `grpc`) and the permit
+/// is held until the response body ends; made by
 /// [`HttpConcurrencyLimitLayer`](super::HttpConcurrencyLimitLayer).
 ///
 /// The inner service's errors pass through unchanged, so an axum `Router` keeps its
@@ -117,7 +68,7 @@ where
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
 /// let sem = Semaphore::builder("pages").limit(1).build(MemoryBackend::new())?;
 /// let mut svc = tower::ServiceBuilder::new()
-///     .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).reject_when_full().http())
+///     .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).http().reject_when_full())
 ///     .service(service_fn(|_req: http::Request<String>| async {
 ///         Ok::<_, std::convert::Infallible>(http::Response::new(String::from("hello")))
 ///     }));
@@ -128,19 +79,16 @@ where
 /// assert_eq!(response.headers()["retry-after"], "1");
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone)]
-pub struct HttpConcurrencyLimit<S> {
-    inner: S,
-    limiter: Limiter,
-    settings: Arc<HttpSettings>,
-}
+pub type HttpConcurrencyLimit<S, K = Semaphore, W = Unweighted> =
+    DistributedConcurrencyLimit<S, Http, K, W>;
 
-impl<S> HttpConcurrencyLimit<S> {
-    pub(crate) fn new(inner: S, limiter: Limiter, settings: Arc<HttpSettings>) -> Self {
-        HttpConcurrencyLimit {
+impl<S, F, K, W> DistributedConcurrencyLimit<S, F, K, W> {
+    pub(crate) fn new(inner: S, limiter: Limiter<K, W>, flavour: F) -> Self {
+        DistributedConcurrencyLimit {
             inner,
             limiter,
-            settings,
+            flavour,
+            reservation: Reservation::default(),
         }
     }
 
@@ -154,31 +102,79 @@ impl<S> HttpConcurrencyLimit<S> {
         &mut self.inner
     }
 
-    /// Unwraps the inner service.
+    /// Unwraps the inner service (a permit reserved in `poll_ready` is released).
     pub fn into_inner(self) -> S {
         self.inner
     }
+
+    /// Reserves the permit first when the layer does so, then forwards to the inner service.
+    /// Otherwise no permit is taken here; see the [module docs](super).
+    fn poll_ready_with<R>(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>>
+    where
+        S: Service<R>,
+    {
+        if let Some(semaphore) = &self.limiter.reserve {
+            ready!(
+                self.reservation
+                    .poll_reserve(semaphore, self.limiter.wait, cx)
+            );
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    /// Admits the request and moves the ready inner service into the future, leaving a
+    /// fresh clone behind for the next `poll_ready` (tower's `AsyncFilter` pattern).
+    fn start<R>(&mut self, request: R, stamp: Stamp<R>) -> Limited<S, R>
+    where
+        S: Service<R> + Clone,
+        K: Pick<R>,
+        W: Weigh<R>,
+    {
+        let admitted = self.limiter.admit(&request, self.reservation.take());
+        let fresh = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, fresh);
+        Limited::new(admitted, ready, request, self.limiter.abort_on_lost, stamp)
+    }
 }
 
-impl<S, B, ResBody> Service<Request<B>> for HttpConcurrencyLimit<S>
+impl<S, R, K, W> Service<R> for DistributedConcurrencyLimit<S, Plain, K, W>
+where
+    S: Service<R> + Clone,
+    S::Error: Into<BoxError>,
+    K: Pick<R>,
+    W: Weigh<R>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, R>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.poll_ready_with(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        ResponseFuture::new(self.start(request, unstamped))
+    }
+}
+
+impl<S, B, ResBody, K, W> Service<Request<B>> for DistributedConcurrencyLimit<S, Http, K, W>
 where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     ResBody: http_body::Body,
     ResBody::Data: From<bytes::Bytes>,
+    K: Pick<Request<B>>,
+    W: Weigh<Request<B>>,
 {
     type Response = Response<super::body::ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = HttpResponseFuture<S, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // No permit is reserved here; see the module docs.
-        self.inner.poll_ready(cx)
+        self.poll_ready_with(cx)
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        HttpResponseFuture::new(
-            start(&self.limiter, &mut self.inner, request),
-            self.settings.clone(),
-        )
+        let settings = self.flavour.settings.clone();
+        HttpResponseFuture::new(self.start(request, extension), settings)
     }
 }

@@ -1,0 +1,53 @@
+//! The flavours of the layer: how a refusal reaches the caller. They are the first type
+//! parameter of [`DistributedConcurrencyLimitLayer`](super::DistributedConcurrencyLimitLayer)
+//! and its service, so every builder method works in any order.
+
+use std::sync::Arc;
+
+use super::http::HttpSettings;
+
+/// The generic flavour (the default), for a service of any request type: a refusal is a
+/// [`tower::BoxError`] that downcasts to [`Error`](crate::Error), and the permit is released
+/// when the inner service's response is ready.
+///
+/// ```
+/// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+/// use tower_distributed_limit::layer::Plain;
+///
+/// let sem = Semaphore::builder("jobs").limit(2).build(MemoryBackend::new()).unwrap();
+/// let layer: DistributedConcurrencyLimitLayer<Plain> = DistributedConcurrencyLimitLayer::new(sem);
+/// # let _ = layer;
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Plain;
+
+/// The HTTP flavour, made by [`http`](super::DistributedConcurrencyLimitLayer::http) (or
+/// `grpc` with the `tonic` feature): a refusal is answered with a response (503 with
+/// `Retry-After` by default; a gRPC status for `grpc`), the permit rides in the response body
+/// until its last byte, and the fencing token is also a request extension.
+///
+/// ```
+/// use tower_distributed_limit::{HttpConcurrencyLimitLayer, DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+///
+/// let sem = Semaphore::builder("pages").limit(2).build(MemoryBackend::new()).unwrap();
+/// let layer: HttpConcurrencyLimitLayer = DistributedConcurrencyLimitLayer::new(sem).http();
+/// # let _ = layer;
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Http {
+    pub(crate) settings: Arc<HttpSettings>,
+}
+
+impl Http {
+    /// The settings, to change on a layer being built.
+    pub(crate) fn settings_mut(&mut self) -> &mut HttpSettings {
+        Arc::make_mut(&mut self.settings)
+    }
+}
+
+/// A generic layer made HTTP starts from the default HTTP settings.
+impl From<Plain> for Http {
+    fn from(Plain: Plain) -> Self {
+        Http::default()
+    }
+}
