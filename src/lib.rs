@@ -66,6 +66,7 @@ mod lease;
 mod outage;
 mod permit;
 mod semaphore;
+mod snapshot;
 mod sync;
 mod telemetry;
 mod waitlist;
@@ -81,3 +82,4 @@ pub use layer::{
 pub use outage::OutagePolicy;
 pub use permit::Permit;
 pub use semaphore::{Semaphore, SemaphoreBuilder};
+pub use snapshot::{Holder, Snapshot};

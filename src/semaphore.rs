@@ -11,6 +11,7 @@ use crate::backend::{Attempt, Backend, Mode, Opened};
 use crate::keeper::Keeper;
 use crate::outage::OutagePolicy;
 use crate::permit::{Claim, Origin, Permit};
+use crate::snapshot::Snapshot;
 use crate::telemetry::{Op, Outcome, Telemetry};
 use crate::waitlist::{Waitlist, Wake};
 
@@ -402,9 +403,64 @@ impl Semaphore {
                 claim.disarm();
                 Ok(None)
             }
+            Attempt::TooHeavy { limit } => {
+                claim.disarm();
+                Err(self.too_heavy(weight, limit))
+            }
             // Not asked for; dropping the claim takes the member out of the line again.
             Attempt::Queued { .. } => Ok(None),
         }
+    }
+
+    /// A weight above the limit set for every process (below this one's configured limit).
+    fn too_heavy(&self, weight: u32, limit: u32) -> Error {
+        Error::config(format!(
+            "cannot take {weight} permits of semaphore {:?}: the limit every process admits by \
+             is {limit} now (set with set_limit); take at most {limit}",
+            self.inner.settings.name
+        ))
+    }
+
+    /// The semaphore now, across every process: the limit in force, the weight held, how many
+    /// wait, and each holder with how long it has held and how long its lease has left. One
+    /// backend call; for dashboards and the `dlimit` command line, not for the request path.
+    pub async fn snapshot(&self) -> Result<Snapshot, Error> {
+        self.inner.origin.store.snapshot().await
+    }
+
+    /// Makes `limit` the limit every process using this name admits by, at once and until it
+    /// is set again, whatever each was built with (`.limit(n)`). Raising it admits the waiters
+    /// that now fit; lowering it takes nothing from current holders (none is lost), and nobody
+    /// new is admitted until the weight held fits under it. [`Error::Config`] for 0.
+    ///
+    /// Without `set_limit`, the first process to use a semaphore stores its configured limit
+    /// and the others adopt it (a warning is logged where a process was built with another);
+    /// that stored limit goes away when the semaphore falls idle and its keys expire. A set
+    /// limit stays.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{MemoryBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let backend = MemoryBackend::new();
+    /// let old = Semaphore::builder("db").limit(2).build(backend.clone())?;
+    /// let new = Semaphore::builder("db").limit(5).build(backend)?; // a rolling deploy
+    /// let _p = old.acquire().await?;
+    /// assert_eq!(new.snapshot().await?.limit, 2); // the first one's limit is in force
+    /// new.set_limit(5).await?;                     // an operator raises it for everyone
+    /// assert_eq!(old.snapshot().await?.limit, 5);
+    /// # Ok(()) }
+    /// ```
+    pub async fn set_limit(&self, limit: u32) -> Result<(), Error> {
+        if limit == 0 {
+            return Err(Error::config(format!(
+                "semaphore {:?}: a limit of 0 admits nobody; use at least 1",
+                self.inner.settings.name
+            )));
+        }
+        self.inner.origin.store.set_limit(limit).await
     }
 
     /// The backend failed: the outage policy decides. Every decision is counted and logged;
@@ -513,6 +569,7 @@ impl Semaphore {
                     return Ok(Some(claim.into_permit(token, sent + remaining)));
                 }
                 Attempt::Queued { retry_in, clock } => (retry_in, clock),
+                Attempt::TooHeavy { limit } => return Err(self.too_heavy(weight, limit)),
                 Attempt::Full => {
                     return Err(Error::backend(
                         "the backend refused to queue a waiter; this is a bug, please report it",

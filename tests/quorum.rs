@@ -63,7 +63,23 @@ async fn the_semaphore_api_works_on_a_quorum() {
         sem.try_acquire().await.unwrap().is_none(),
         "renewed slots stay held"
     );
+    // A snapshot sees the holders on a majority; a set limit counts on every process.
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!((snap.limit, snap.used, snap.holders.len()), (3, 3, 2));
+    assert!(
+        snap.holders
+            .iter()
+            .any(|h| h.id == again.id() && h.weight == 2)
+    );
     drop((one, again));
+    sem.set_limit(1).await.unwrap();
+    assert_eq!(sem.snapshot().await.unwrap().limit, 1);
+    let only = sem.acquire().await.unwrap();
+    assert!(
+        sem.try_acquire().await.unwrap().is_none(),
+        "one slot under the set limit"
+    );
+    drop(only);
 
     // Limit 1: one slot, fencing tokens strictly increase from holder to holder.
     let mutex = semaphore("mutex", 1).build(quorum(&urls).await).unwrap();

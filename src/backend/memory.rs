@@ -10,6 +10,7 @@ use tokio::time::Instant;
 
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
+use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Hub, KEEPALIVE, Refresh, Status, Until, Waitlist};
 
@@ -77,16 +78,26 @@ struct AllPermits {
     fence: u64,
 }
 
-/// One semaphore's holders and line; removed from the map when both are empty.
-#[derive(Default)]
+/// One semaphore's holders and line; removed from the map when both are empty (unless an
+/// operator set its limit).
 struct Permits {
-    /// Member → (lease deadline, weight, lease).
-    holders: HashMap<Arc<str>, (Instant, u32, Duration)>,
+    holders: HashMap<Arc<str>, Holding>,
     used: u32,
+    /// The limit every semaphore of this name admits by: the first one's, or the one set.
+    limit: u32,
+    /// Set by `set_limit`: kept while idle.
+    pinned: bool,
     /// The line, by arrival; `queued` finds a member in it without a scan.
     queue: BTreeMap<u64, Member>,
     queued: HashMap<Arc<str>, u64>,
     arrivals: u64,
+}
+
+struct Holding {
+    deadline: Instant,
+    weight: u32,
+    lease: Duration,
+    granted: Instant,
 }
 
 /// A grant made while the lock was held, announced once it is released: member, token and
@@ -94,29 +105,51 @@ struct Permits {
 type Grant = (Arc<str>, u64, Instant);
 
 impl Permits {
+    fn new(limit: u32) -> Self {
+        Permits {
+            holders: HashMap::new(),
+            used: 0,
+            limit,
+            pinned: false,
+            queue: BTreeMap::new(),
+            queued: HashMap::new(),
+            arrivals: 0,
+        }
+    }
+
     fn hold(&mut self, member: &Member, now: Instant, fence: &mut u64) -> u64 {
-        self.holders.insert(
-            member.text.clone(),
-            (now + member.lease, member.weight, member.lease),
-        );
+        let holding = Holding {
+            deadline: now + member.lease,
+            weight: member.weight,
+            lease: member.lease,
+            granted: now,
+        };
+        self.holders.insert(member.text.clone(), holding);
         self.used += member.weight;
         *fence += 1;
         *fence
     }
 
     /// Drops expired holders, then admits waiters in order while the oldest fits.
-    fn settle(&mut self, now: Instant, limit: u32, fence: &mut u64, grants: &mut Vec<Grant>) {
+    fn settle(&mut self, now: Instant, fence: &mut u64, grants: &mut Vec<Grant>) {
         let mut freed = 0;
-        self.holders.retain(|_, (deadline, weight, _)| {
-            let live = *deadline > now;
+        self.holders.retain(|_, holding| {
+            let live = holding.deadline > now;
             if !live {
-                freed += *weight;
+                freed += holding.weight;
             }
             live
         });
         self.used -= freed;
         while let Some(head) = self.queue.first_entry() {
-            if u64::from(self.used) + u64::from(head.get().weight) > u64::from(limit) {
+            if head.get().weight > self.limit {
+                // Heavier than the limit now in force: it would block the line for ever.
+                // Dropped, it learns at its next refresh and is refused.
+                let member = head.remove();
+                self.queued.remove(&member.text);
+                continue;
+            }
+            if u64::from(self.used) + u64::from(head.get().weight) > u64::from(self.limit) {
                 break;
             }
             let member = head.remove();
@@ -128,15 +161,15 @@ impl Permits {
 
     /// Pushes a holder's deadline to a full lease from now; `None` if it no longer holds.
     fn extend(&mut self, member: &str, now: Instant) -> Option<Duration> {
-        let (deadline, _, lease) = self.holders.get_mut(member)?;
-        *deadline = (*deadline).max(now + *lease);
-        Some(deadline.saturating_duration_since(now))
+        let holding = self.holders.get_mut(member)?;
+        holding.deadline = holding.deadline.max(now + holding.lease);
+        Some(holding.deadline.saturating_duration_since(now))
     }
 
     fn retry_in(&self, now: Instant, fallback: Duration) -> Duration {
         self.holders
             .values()
-            .map(|(deadline, ..)| deadline.saturating_duration_since(now))
+            .map(|holding| holding.deadline.saturating_duration_since(now))
             .min()
             .unwrap_or(fallback)
     }
@@ -198,11 +231,13 @@ impl MemorySemaphore {
         let result = {
             let mut guard = self.state();
             let AllPermits { semaphores, fence } = &mut *guard;
-            let permits = semaphores.entry(self.name.clone()).or_default();
-            permits.settle(now, self.limit, fence, &mut grants);
+            let permits = semaphores
+                .entry(self.name.clone())
+                .or_insert_with(|| Permits::new(self.limit));
+            permits.settle(now, fence, &mut grants);
             let result = op(permits, now, fence);
-            permits.settle(now, self.limit, fence, &mut grants);
-            if permits.holders.is_empty() && permits.queue.is_empty() {
+            permits.settle(now, fence, &mut grants);
+            if permits.holders.is_empty() && permits.queue.is_empty() && !permits.pinned {
                 semaphores.remove(&self.name);
             }
             result
@@ -229,7 +264,13 @@ impl Store for MemorySemaphore {
             {
                 return Attempt::Granted { token, remaining };
             }
-            let fits = u64::from(permits.used) + u64::from(member.weight) <= u64::from(self.limit);
+            if member.weight > permits.limit {
+                return Attempt::TooHeavy {
+                    limit: permits.limit,
+                };
+            }
+            let fits =
+                u64::from(permits.used) + u64::from(member.weight) <= u64::from(permits.limit);
             if permits.queue.is_empty() && fits {
                 let token = permits.hold(member, now, fence);
                 return Attempt::Granted {
@@ -264,8 +305,8 @@ impl Store for MemorySemaphore {
 
     fn release_later(&self, member: Member) {
         self.with(|permits, _, _| {
-            if let Some((_, weight, _)) = permits.holders.remove(&member.text) {
-                permits.used -= weight;
+            if let Some(holding) = permits.holders.remove(&member.text) {
+                permits.used -= holding.weight;
             } else if let Some(arrival) = permits.queued.remove(&member.text) {
                 permits.queue.remove(&arrival);
             }
@@ -292,6 +333,40 @@ impl Store for MemorySemaphore {
 
     fn reconnects(&self) -> Option<watch::Receiver<u64>> {
         None
+    }
+
+    fn snapshot(&self) -> BoxFuture<'_, Result<Snapshot, Error>> {
+        let snapshot = self.with(|permits, now, _| {
+            let mut holders: Vec<(Instant, Holder)> = permits
+                .holders
+                .iter()
+                .map(|(member, holding)| {
+                    let holder = Holder {
+                        id: member.split(':').next().unwrap_or_default().to_owned(),
+                        weight: holding.weight,
+                        held_for: now.saturating_duration_since(holding.granted),
+                        lease_remaining: holding.deadline.saturating_duration_since(now),
+                    };
+                    (holding.granted, holder)
+                })
+                .collect();
+            holders.sort_by_key(|(granted, _)| *granted);
+            Snapshot {
+                limit: permits.limit,
+                used: permits.used,
+                waiting: u32::try_from(permits.queue.len()).unwrap_or(u32::MAX),
+                holders: holders.into_iter().map(|(_, holder)| holder).collect(),
+            }
+        });
+        Box::pin(async move { Ok(snapshot) })
+    }
+
+    fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
+        self.with(|permits, _, _| {
+            permits.limit = limit;
+            permits.pinned = true;
+        });
+        Box::pin(async { Ok(()) })
     }
 }
 

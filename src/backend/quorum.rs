@@ -64,6 +64,7 @@ use tokio::time::Instant;
 use super::redis::{Channels, Pushes, manager_config, on_push, subscriber};
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
+use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Hub, KEEPALIVE, Refresh, Status};
 
@@ -315,6 +316,7 @@ impl Open for QuorumBackend {
                     format!("{base}:owner"),
                     format!("{base}:counter"),
                     format!("{}quorum:born", self.prefix),
+                    format!("{base}:limit"),
                 ],
                 channel,
                 limit,
@@ -328,7 +330,7 @@ impl Open for QuorumBackend {
 struct QuorumSemaphore {
     shared: Arc<Nodes>,
     me: Weak<QuorumSemaphore>,
-    keys: [String; 4],
+    keys: [String; 5],
     channel: String,
     limit: u32,
     /// The slots of each member this process holds (or is taking).
@@ -613,6 +615,77 @@ impl Store for QuorumSemaphore {
 
     fn reconnects(&self) -> Option<watch::Receiver<u64>> {
         None
+    }
+
+    /// Holders are the members that own slots on a majority of the nodes; there is no line,
+    /// and grant times are not kept (`held_for` is zero).
+    fn snapshot(&self) -> BoxFuture<'_, Result<Snapshot, Error>> {
+        Box::pin(async move {
+            let answers = self.on_all("snapshot", &[]).await;
+            let answered: Vec<&Value> = answers.iter().flatten().collect();
+            if answered.len() < self.majority() {
+                return Err(self.too_few("snapshot", answered.len()));
+            }
+            let mut limits = Vec::new();
+            // (slot, member) -> on how many nodes, and the least time left.
+            let mut seen: HashMap<(i64, String), (usize, i64)> = HashMap::new();
+            for answer in answered {
+                let Value::Array(items) = answer else {
+                    continue;
+                };
+                let Some((limit, rest)) = items.split_first() else {
+                    continue;
+                };
+                limits.extend(integer(limit));
+                for held in rest.chunks_exact(3) {
+                    if let (Value::Int(slot), Value::BulkString(member), Value::Int(left)) =
+                        (&held[0], &held[1], &held[2])
+                    {
+                        let member = String::from_utf8_lossy(member).into_owned();
+                        let entry = seen.entry((*slot, member)).or_insert((0, i64::MAX));
+                        entry.0 += 1;
+                        entry.1 = entry.1.min(*left);
+                    }
+                }
+            }
+            let mut holders: HashMap<String, (u32, i64)> = HashMap::new();
+            for ((_, member), (nodes, left)) in seen {
+                if nodes >= self.majority() {
+                    let holder = holders.entry(member).or_insert((0, i64::MAX));
+                    holder.0 += 1;
+                    holder.1 = holder.1.min(left);
+                }
+            }
+            limits.sort_unstable();
+            let limit = limits.get(limits.len() / 2).copied().unwrap_or(0);
+            let holders: Vec<Holder> = holders
+                .into_iter()
+                .map(|(member, (weight, left))| Holder {
+                    id: member.split(':').next().unwrap_or_default().to_owned(),
+                    weight,
+                    held_for: Duration::ZERO,
+                    lease_remaining: Duration::from_millis(left.max(0).unsigned_abs()),
+                })
+                .collect();
+            Ok(Snapshot {
+                limit: u32::try_from(limit.max(0)).unwrap_or(u32::MAX),
+                used: holders.iter().map(|holder| holder.weight).sum(),
+                waiting: 0,
+                holders,
+            })
+        })
+    }
+
+    /// Stored on every node; it counts once a majority has it.
+    fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            let answers = self.on_all("set_limit", &[limit.to_string()]).await;
+            let stored = answers.iter().flatten().count();
+            if stored < self.majority() {
+                return Err(self.too_few("set_limit", stored));
+            }
+            Ok(())
+        })
     }
 
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {

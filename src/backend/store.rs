@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::Error;
+use crate::snapshot::Snapshot;
 use crate::sync::BoxFuture;
 use crate::waitlist::{ClockReading, Refresh, Waitlist};
 
@@ -96,6 +97,8 @@ pub(crate) enum Attempt {
     },
     /// No room and not queued (a one-shot attempt).
     Full,
+    /// The member is heavier than the limit every process admits by now.
+    TooHeavy { limit: u32 },
 }
 
 /// The permits of one semaphore in one backend.
@@ -132,4 +135,10 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
 
     /// The weight held by live (unexpired) holders.
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>>;
+
+    /// The semaphore now: its limit in force, used weight, waiters and holders.
+    fn snapshot(&self) -> BoxFuture<'_, Result<Snapshot, Error>>;
+
+    /// Makes `limit` the limit every process admits by, from now on.
+    fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>>;
 }

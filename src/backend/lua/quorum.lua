@@ -7,6 +7,7 @@
 -- KEYS[2] owner:   hash, slot -> member
 -- KEYS[3] counter: hash, slot -> last fencing value given out for the slot on this node
 -- KEYS[4] born:    string, when this node's data began (ms); see `take`
+-- KEYS[5] limit:   string, the limit set by an operator (`set_limit`), else the caller's
 --
 -- ARGV: operation, channel, limit, then:
 --   free                          -> {earliest deadline in ms from now or 0, free slot...}
@@ -16,12 +17,15 @@
 --   renew <member> <lease ms> <slot>... -> how many of the member's slots were extended
 --   release <member> <slot>...        -> how many were released (announced on the channel)
 --   used                          -> how many slots are held
+--   set_limit <n>                 -> 1
+--   snapshot                      -> {limit, then per held slot: slot, member, ms left}
 --
 -- `born` is set the first time this node serves any semaphore and never expires. A node
 -- whose data is younger than a lease abstains from `take`: it cannot tell a first start from
 -- a restart that forgot the slots it had granted, and those grants end within a lease.
-local owned, owner, counter, born_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local op, channel, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local owned, owner, counter, born_key, limit_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local op, channel = ARGV[1], ARGV[2]
+local limit = tonumber(redis.call('GET', limit_key)) or tonumber(ARGV[3])
 
 local time = redis.call('TIME')
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -129,5 +133,17 @@ elseif op == 'release' then
   return #slots
 elseif op == 'used' then
   return redis.call('ZCARD', owned)
+elseif op == 'set_limit' then
+  redis.call('SET', limit_key, ARGV[4])
+  return 1
+elseif op == 'snapshot' then
+  local reply = {limit}
+  local entries = redis.call('ZRANGE', owned, 0, -1, 'WITHSCORES')
+  for i = 1, #entries, 2 do
+    table.insert(reply, tonumber(entries[i]))
+    table.insert(reply, redis.call('HGET', owner, entries[i]) or '')
+    table.insert(reply, tonumber(entries[i + 1]) - now)
+  end
+  return reply
 end
 return redis.error_reply('unknown quorum operation ' .. tostring(op))

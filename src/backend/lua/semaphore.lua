@@ -3,9 +3,13 @@
 --
 -- KEYS[1] holders: zset, member -> lease deadline (ms)
 -- KEYS[2] meta:    hash, `used` = weight of the live holders, `count` = how many they are,
---                  `fence` = last fencing token, `horizon` = when holders and meta expire (ms)
+--                  `fence` = last fencing token, `horizon` = when holders and meta expire (ms),
+--                  `limit` = the limit every process admits by, `pinned` = 1 when an operator set
+--                  it (then meta never expires); otherwise the first process's configured limit,
+--                  which goes with the other keys when the semaphore falls idle
 -- KEYS[3] queue:   zset, member -> arrival (µs): who waits, oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
+-- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
 -- A member is "<holder id>:<weight>:<lease ms>". All keys share one hash tag (one Cluster
 -- slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
 -- when the last holder leaves); queue and alive expire with the latest waiter deadline.
@@ -14,20 +18,25 @@
 -- patience ms, claim ms, k, then k members to release
 -- (holders or waiters; absent ones are ignored), then the operation's arguments:
 --   acquire <member> <once|join|recheck>
---       -> {1, token, left µs} granted | {2, retry ms, now µs} queued | {0, retry ms, now µs} full
+--       -> {1, token, left µs, limit} granted | {2, retry ms, now µs, limit} queued
+--          | {0, retry ms, now µs, limit} full (`limit`: the limit in force)
 --   release                      -> how many of the k members held or waited
 --   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
 --                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
 --   renew <member>...            -> per member: µs left of its new lease, or 0 if it no longer
 --                                   holds (expired or removed: it is never added back)
 --   used                         -> live weight
+--   set_limit <n>                -> 1; every process admits by n from now on (pinned)
+--   snapshot                     -> {limit, used, waiting, now ms, then per holder: member,
+--                                    deadline ms, granted ms}
+-- An acquire whose weight is above the limit in force answers {3, limit}.
 -- "left µs" is a deadline minus the server time of this call, exact to the µs: a client that
 -- adds it to the moment it sent the call never believes a lease past the server's.
 -- Whenever queued waiters fit they are admitted in arrival order, each with a provisional lease
 -- of at most `claim` ms (and half its lease) that the waiter's process claims (touch or renew)
 -- to get its full lease; each grant is published on the channel as "<member> <token> <deadline
 -- ms>". "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
-local holders, meta, queue, alive = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op, channel, publisher, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
 local released = tonumber(ARGV[7])
@@ -54,15 +63,29 @@ local function left(deadline)
   return deadline * 1000 - now_us
 end
 
-local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon')
+local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned')
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local changed = false
+-- One limit for every process: the one stored with the semaphore, else this caller's, stored
+-- for the others to adopt.
+local pinned = stored[6] == '1'
+if tonumber(stored[5]) then
+  limit = tonumber(stored[5])
+else
+  changed = true
+end
+if op == 'set_limit' then
+  limit = tonumber(ARGV[args])
+  pinned = true
+  changed = true
+end
 
 -- Drop holders whose lease has passed.
 local expired = redis.call('ZRANGEBYSCORE', holders, '-inf', now)
 if #expired > 0 then
   redis.call('ZREMRANGEBYSCORE', holders, '-inf', now)
+  redis.call('HDEL', since, unpack(expired))
   changed = true
 end
 if used and count then
@@ -104,6 +127,7 @@ local function grant(member, term)
   local weight, lease = parse(member)
   local deadline = now + math.min(term, lease)
   redis.call('ZADD', holders, deadline, member)
+  redis.call('HSET', since, member, int(now))
   used = used + weight
   count = count + 1
   -- Strictly increasing; the server time in µs as a floor keeps the token above every token
@@ -135,6 +159,7 @@ local removed = 0
 for i = 8, args - 1 do
   local member = ARGV[i]
   if redis.call('ZREM', holders, member) == 1 then
+    redis.call('HDEL', since, member)
     used = used - parse(member)
     count = count - 1
     changed = true
@@ -156,6 +181,13 @@ if waiting > 0 then
   end
   while true do
     local member = redis.call('ZRANGE', queue, 0, 0)[1]
+    while member and parse(member) > limit do
+      -- Heavier than the limit now in force: it would block the line for ever. Dropped, it
+      -- learns at its next refresh and is refused.
+      redis.call('ZREM', queue, member)
+      redis.call('ZREM', alive, member)
+      member = redis.call('ZRANGE', queue, 0, 0)[1]
+    end
     if not member or used + parse(member) > limit then
       waiting = member and 1 or 0
       break
@@ -213,22 +245,24 @@ if op == 'acquire' then
   if mode == 'recheck' then
     state, token, rest = status(member)
   end
-  if state == 1 then
-    reply = {1, token, rest}
+  if state ~= 1 and parse(member) > limit then
+    reply = {3, limit}
+  elseif state == 1 then
+    reply = {1, token, rest, limit}
   elseif state == 2 then
-    reply = {2, retry_in(), now_us}
+    reply = {2, retry_in(), now_us, limit}
   elseif waiting == 0 and used + parse(member) <= limit then
     local _, lease = parse(member)
     local deadline
     token, deadline = grant(member, lease)
-    reply = {1, token, left(deadline)}
+    reply = {1, token, left(deadline), limit}
   elseif mode ~= 'once' then
     redis.call('ZADD', queue, now_us, member)
     waiting = 1
     wait(member)
-    reply = {2, retry_in(), now_us}
+    reply = {2, retry_in(), now_us, limit}
   else
-    reply = {0, retry_in(), now_us}
+    reply = {0, retry_in(), now_us, limit}
   end
 elseif op == 'release' then
   reply = removed
@@ -248,19 +282,37 @@ elseif op == 'renew' then
   end
 elseif op == 'used' then
   reply = math.max(used, 0)
+elseif op == 'set_limit' then
+  reply = 1
+elseif op == 'snapshot' then
+  reply = {limit, math.max(used, 0), redis.call('ZCARD', queue), now}
+  for _, entry in ipairs(redis.call('ZRANGE', holders, 0, -1, 'WITHSCORES')) do
+    table.insert(reply, entry)
+  end
+  local at = 5
+  while at <= #reply do
+    table.insert(reply, at + 2, tonumber(redis.call('HGET', since, reply[at])) or 0)
+    at = at + 3
+  end
 else
   return redis.error_reply('unknown semaphore operation ' .. tostring(op))
 end
 
 if changed then
-  if count <= 0 and redis.call('EXISTS', holders) == 0 then
+  if count <= 0 and not pinned and redis.call('EXISTS', holders) == 0 then
     -- The last holder left: nothing stays behind (the token floor survives the lost counter).
     redis.call('DEL', meta)
   else
     redis.call('HSET', meta, 'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence),
-      'horizon', int(horizon))
+      'horizon', int(horizon), 'limit', int(limit), 'pinned', pinned and '1' or '0')
     if horizon ~= tonumber(stored[4]) then
-      redis.call('PEXPIREAT', meta, horizon)
+      redis.call('PEXPIREAT', since, horizon)
+      if not pinned then
+        redis.call('PEXPIREAT', meta, horizon)
+      end
+    end
+    if pinned then
+      redis.call('PERSIST', meta)
     end
   end
 end

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -25,6 +26,7 @@ use tokio::time::Instant;
 
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
+use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{CLAIM, ClockReading, Hub, PATIENCE, Refresh, Status, Until, Waitlist};
 
@@ -551,7 +553,8 @@ impl Open for RedisBackend {
         let store = Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
             shared: self.shared.clone(),
-            keys: ["holders", "meta", "queue", "alive"].map(|key| format!("{base}:{key}")),
+            keys: ["holders", "meta", "queue", "alive", "since"].map(|key| format!("{base}:{key}")),
+            warned: AtomicBool::new(false),
             limit,
             channel,
             unsent: Mutex::default(),
@@ -582,9 +585,12 @@ struct RedisSemaphore {
     me: Weak<RedisSemaphore>,
     /// Keeps the connection and the announcement hub alive as long as the semaphore.
     shared: Arc<Connection>,
-    keys: [String; 4],
+    keys: [String; 5],
     channel: String,
+    /// The limit this process was built with; the one in force is stored with the semaphore.
     limit: u32,
+    /// A warning about the two limits differing was logged.
+    warned: AtomicBool,
     unsent: Mutex<Unsent>,
 }
 
@@ -737,6 +743,19 @@ impl RedisSemaphore {
         }
     }
 
+    /// Logs once when the limit in force is not the one this process was built with.
+    fn note_limit(&self, limit: i64) {
+        if limit != i64::from(self.limit) && !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                configured = self.limit,
+                in_force = limit,
+                channel = %self.channel,
+                "this semaphore admits by the limit stored with it, not the one this process was \
+                 built with; change it for every process with set_limit (or `dlimit set-limit`)"
+            );
+        }
+    }
+
     /// Sends the waiting releases, if no other call took them meanwhile.
     async fn flush(&self) {
         if self.unsent().members.is_empty() {
@@ -835,19 +854,28 @@ impl Store for RedisSemaphore {
                     script.arg(&*member.text).arg(mode_word(mode));
                 })
                 .await?;
-            match integers(&reply).as_deref() {
-                Some(&[1, token, left_us]) => Ok(Attempt::Granted {
+            let numbers = integers(&reply);
+            if let Some(&[first, .., limit]) = numbers.as_deref()
+                && first != 3
+            {
+                self.note_limit(limit);
+            }
+            match numbers.as_deref() {
+                Some(&[3, limit]) => Ok(Attempt::TooHeavy {
+                    limit: u32::try_from(limit).map_err(|_| unexpected(&reply))?,
+                }),
+                Some(&[1, token, left_us, _]) => Ok(Attempt::Granted {
                     token: token_of(token).ok_or_else(|| unexpected(&reply))?,
                     remaining: micros(left_us).ok_or_else(|| unexpected(&reply))?,
                 }),
-                Some(&[2, retry_ms, now_us]) => Ok(Attempt::Queued {
+                Some(&[2, retry_ms, now_us, _]) => Ok(Attempt::Queued {
                     retry_in: millis(retry_ms),
                     clock: ClockReading {
                         local: sent,
                         server_us: u64::try_from(now_us).map_err(|_| unexpected(&reply))?,
                     },
                 }),
-                Some(&[0, _, _]) => Ok(Attempt::Full),
+                Some(&[0, _, _, _]) => Ok(Attempt::Full),
                 _ => Err(unexpected(&reply)),
             }
         })
@@ -905,6 +933,27 @@ impl Store for RedisSemaphore {
     fn reconnects(&self) -> Option<watch::Receiver<u64>> {
         Some(self.shared.reconnects.subscribe())
     }
+
+    fn snapshot(&self) -> BoxFuture<'_, Result<Snapshot, Error>> {
+        Box::pin(async move {
+            let reply = self.run("snapshot", None, None, |_, _| {}).await?;
+            parse_snapshot(&reply).ok_or_else(|| unexpected(&reply))
+        })
+    }
+
+    fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            match self
+                .run("set_limit", None, None, |script, _| {
+                    script.arg(limit);
+                })
+                .await?
+            {
+                Value::Int(1) => Ok(()),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
 }
 
 impl Refresh for RedisSemaphore {
@@ -948,6 +997,55 @@ impl Refresh for RedisSemaphore {
     fn confirms_grants(&self) -> bool {
         self.shared.replicas.is_some()
     }
+}
+
+/// `{limit, used, waiting, now ms, then per holder: member, deadline ms, granted ms}`.
+fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
+    let Value::Array(items) = reply else {
+        return None;
+    };
+    let int = |value: &Value| -> Option<i64> {
+        match value {
+            Value::Int(n) => Some(*n),
+            Value::BulkString(text) => std::str::from_utf8(text).ok()?.parse().ok(),
+            _ => None,
+        }
+    };
+    let (head, rest) = items.split_at_checked(4)?;
+    let count = |value: &Value| u32::try_from(int(value)?.max(0)).ok();
+    let now = int(&head[3])?;
+    let millis = |ms: i64| Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0));
+    let holders = rest
+        .chunks_exact(3)
+        .map(|holder| {
+            let Value::BulkString(member) = &holder[0] else {
+                return None;
+            };
+            let member = std::str::from_utf8(member).ok()?;
+            let mut parts = member.split(':');
+            let id = parts.next()?.to_owned();
+            let weight = parts.next()?.parse().ok()?;
+            let (deadline, granted) = (int(&holder[1])?, int(&holder[2])?);
+            Some(Holder {
+                id,
+                weight,
+                held_for: if granted > 0 {
+                    millis(now - granted)
+                } else {
+                    Duration::ZERO
+                },
+                lease_remaining: millis(deadline - now),
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let mut holders = holders;
+    holders.sort_by_key(|holder| std::cmp::Reverse(holder.held_for));
+    Some(Snapshot {
+        limit: count(&head[0])?,
+        used: count(&head[1])?,
+        waiting: count(&head[2])?,
+        holders,
+    })
 }
 
 /// A fencing token: positive.

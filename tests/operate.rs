@@ -1,0 +1,176 @@
+//! Operating a semaphore: snapshots of who holds what, and one limit for every process
+//! (`set_limit`), on both backends and against a real redis-server.
+
+#[macro_use]
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower_distributed_limit::{Backend, Error, Semaphore};
+
+use support::Redis;
+
+on_both_backends!(
+    a_snapshot_shows_the_limit_holders_and_waiters,
+    lowering_the_limit_takes_nothing_from_holders,
+);
+
+async fn a_snapshot_shows_the_limit_holders_and_waiters(backend: impl Backend + Clone) {
+    let sem = Semaphore::builder("snap")
+        .limit(3)
+        .lease(Duration::from_secs(30))
+        .acquire_timeout(Duration::from_secs(10))
+        .build(backend)
+        .unwrap();
+    let first = sem.acquire_many(2).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = sem.acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire_many(2).await }
+    });
+    support::eventually(Duration::from_secs(5), "the waiter in line", || async {
+        sem.snapshot().await.unwrap().waiting == 1
+    })
+    .await;
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!((snap.limit, snap.used, snap.waiting), (3, 3, 1));
+    let ids: Vec<&str> = snap.holders.iter().map(|h| h.id.as_str()).collect();
+    assert_eq!(ids, [first.id(), second.id()], "longest-held first");
+    assert_eq!(snap.holders[0].weight, 2);
+    assert!(snap.holders[0].held_for >= Duration::from_millis(200));
+    assert!(snap.holders[0].held_for < Duration::from_secs(5));
+    for holder in &snap.holders {
+        assert!(holder.lease_remaining > Duration::from_secs(25));
+        assert!(holder.lease_remaining <= Duration::from_secs(30));
+    }
+    drop(first);
+    let third = waiter.await.unwrap().unwrap();
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!((snap.used, snap.waiting, snap.holders.len()), (3, 0, 2));
+    drop((second, third));
+}
+
+async fn lowering_the_limit_takes_nothing_from_holders(backend: impl Backend + Clone) {
+    let sem = Semaphore::builder("lower")
+        .limit(5)
+        .lease(Duration::from_secs(1))
+        .acquire_timeout(Duration::from_millis(300))
+        .build(backend)
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(sem.acquire().await.unwrap());
+    }
+    assert!(matches!(sem.set_limit(0).await, Err(Error::Config(_))));
+    sem.set_limit(2).await.unwrap();
+    assert_eq!(sem.snapshot().await.unwrap().limit, 2);
+    // Nobody new while 3 hold under a limit of 2; a weight above it is refused outright.
+    assert!(sem.try_acquire().await.unwrap().is_none());
+    assert!(matches!(sem.acquire_many(3).await, Err(Error::Config(_))));
+    // The holders keep their slots past the lease (renewed, not lost).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(held.iter().all(|permit| !permit.is_lost()));
+    held.truncate(1);
+    let back = sem.acquire().await.expect("1 held, limit 2: room for one");
+    assert!(sem.try_acquire().await.unwrap().is_none());
+    drop((held, back));
+}
+
+/// Holds `sem`'s permits with 4 tasks for `run`, counting holders with INCR/DECR on `key`.
+async fn hammer(sem: Semaphore, redis: &Redis, key: &str, run: Duration) -> i64 {
+    let max = Arc::new(AtomicI64::new(0));
+    let end = Instant::now() + run;
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let (sem, max, key) = (sem.clone(), max.clone(), key.to_owned());
+            let url = redis.url.clone();
+            tokio::spawn(async move {
+                let mut conn = redis::Client::open(url)
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap();
+                while Instant::now() < end {
+                    let Ok(permit) = sem.acquire().await else {
+                        continue;
+                    };
+                    let now: i64 = redis::cmd("INCR")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    max.fetch_max(now, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                    let _: i64 = redis::cmd("DECR")
+                        .arg(&key)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    drop(permit);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    max.load(Ordering::SeqCst)
+}
+
+/// Two deployments built with limits 2 and 5 share one semaphore: both admit by the first
+/// one's, 2; after `set_limit(3)` both report 3 and never run above it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_built_with_different_limits_admit_by_one() {
+    let redis = Redis::start().await;
+    let build = |limit| {
+        let redis = &redis;
+        async move {
+            Semaphore::builder("rolling")
+                .limit(limit)
+                .acquire_timeout(Duration::from_secs(2))
+                .build(redis.backend().await)
+                .unwrap()
+        }
+    };
+    let old = build(2).await;
+    let new = build(5).await;
+    drop(old.acquire().await.unwrap()); // the first process stores its limit
+    let run = Duration::from_millis(1500);
+    let (a, b) = tokio::join!(
+        hammer(old.clone(), &redis, "before", run),
+        hammer(new.clone(), &redis, "before", run)
+    );
+    assert!(
+        a.max(b) <= 2,
+        "{} held at once under a limit of 2",
+        a.max(b)
+    );
+    assert_eq!(a.max(b), 2, "the holders overlapped");
+    assert_eq!(new.snapshot().await.unwrap().limit, 2);
+
+    new.set_limit(3).await.unwrap();
+    assert_eq!(old.snapshot().await.unwrap().limit, 3);
+    assert_eq!(new.snapshot().await.unwrap().limit, 3);
+    let (a, b) = tokio::join!(
+        hammer(old.clone(), &redis, "after", run),
+        hammer(new.clone(), &redis, "after", run)
+    );
+    assert!(
+        a.max(b) <= 3,
+        "{} held at once under a limit of 3",
+        a.max(b)
+    );
+    assert_eq!(a.max(b), 3, "the raised limit is used");
+
+    // A set limit stays while idle; a configured one goes with the semaphore's keys.
+    let pinned: i64 = redis::cmd("PTTL")
+        .arg("dlimit:{rolling}:meta")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    assert_eq!(pinned, -1, "a set limit does not expire");
+}
