@@ -454,13 +454,28 @@ impl Semaphore {
     /// # Ok(()) }
     /// ```
     pub async fn set_limit(&self, limit: u32) -> Result<(), Error> {
+        self.check_limit(limit)?;
+        self.inner.origin.store.set_limit(limit).await
+    }
+
+    fn check_limit(&self, limit: u32) -> Result<(), Error> {
         if limit == 0 {
             return Err(Error::config(format!(
                 "semaphore {:?}: a limit of 0 admits nobody; use at least 1",
                 self.inner.settings.name
             )));
         }
-        self.inner.origin.store.set_limit(limit).await
+        Ok(())
+    }
+
+    /// Takes the holder whose [`Permit::id`] is `id` out of the semaphore, across every
+    /// process: for an operator facing a holder stuck with a long lease (the `dlimit release`
+    /// command). Its slot goes to the next waiter. The evicted process is not told until its
+    /// next renewal finds it gone (then its permit is lost); until then it may still act, so a
+    /// resource that must not see two holders should check fencing tokens: the next holder's
+    /// is higher. `Ok(false)` when no holder has that id.
+    pub async fn evict(&self, id: &str) -> Result<bool, Error> {
+        self.inner.origin.store.evict(id).await
     }
 
     /// The backend failed: the outage policy decides. Every decision is counted and logged;

@@ -361,6 +361,22 @@ impl Store for MemorySemaphore {
         Box::pin(async move { Ok(snapshot) })
     }
 
+    fn evict<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, Error>> {
+        let evicted = self.with(|permits, _, _| {
+            let member = permits
+                .holders
+                .keys()
+                .find(|member| member.split(':').next() == Some(id))
+                .cloned();
+            let holding = member.and_then(|member| permits.holders.remove(&member));
+            if let Some(holding) = &holding {
+                permits.used -= holding.weight;
+            }
+            holding.is_some()
+        });
+        Box::pin(async move { Ok(evicted) })
+    }
+
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
         self.with(|permits, _, _| {
             permits.limit = limit;

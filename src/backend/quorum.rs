@@ -676,6 +676,20 @@ impl Store for QuorumSemaphore {
         })
     }
 
+    fn evict<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            let answers = self.on_all("evict", &[id.to_owned()]).await;
+            let answered = answers.iter().flatten().count();
+            if answered < self.majority() {
+                return Err(self.too_few("evict", answered));
+            }
+            Ok(answers
+                .iter()
+                .flatten()
+                .any(|answer| integer(answer).is_some_and(|n| n > 0)))
+        })
+    }
+
     /// Stored on every node; it counts once a majority has it.
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(async move {

@@ -141,4 +141,7 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
 
     /// Makes `limit` the limit every process admits by, from now on.
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>>;
+
+    /// Removes the holder whose id is `id` (an operator's decision); whether it held.
+    fn evict<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, Error>>;
 }

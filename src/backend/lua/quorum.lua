@@ -18,6 +18,7 @@
 --   release <member> <slot>...        -> how many were released (announced on the channel)
 --   used                          -> how many slots are held
 --   set_limit <n>                 -> 1
+--   evict <id>                    -> how many slots the holder with that id lost
 --   snapshot                      -> {limit, then per held slot: slot, member, ms left}
 --
 -- `born` is set the first time this node serves any semaphore and never expires. A node
@@ -136,6 +137,20 @@ elseif op == 'used' then
 elseif op == 'set_limit' then
   redis.call('SET', limit_key, ARGV[4])
   return 1
+elseif op == 'evict' then
+  local evicted = 0
+  for _, slot in ipairs(redis.call('ZRANGE', owned, 0, -1)) do
+    local member = redis.call('HGET', owner, slot)
+    if member and string.sub(member, 1, #ARGV[4] + 1) == ARGV[4] .. ':' then
+      redis.call('ZREM', owned, slot)
+      redis.call('HDEL', owner, slot)
+      evicted = evicted + 1
+    end
+  end
+  if evicted > 0 then
+    redis.call('PUBLISH', channel, 'released')
+  end
+  return evicted
 elseif op == 'snapshot' then
   local reply = {limit}
   local entries = redis.call('ZRANGE', owned, 0, -1, 'WITHSCORES')

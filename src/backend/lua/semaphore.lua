@@ -27,6 +27,7 @@
 --                                   holds (expired or removed: it is never added back)
 --   used                         -> live weight
 --   set_limit <n>                -> 1; every process admits by n from now on (pinned)
+--   evict <id>                   -> 1 if the holder with that id was removed, else 0
 --   snapshot                     -> {limit, used, waiting, now ms, then per holder: member,
 --                                    deadline ms, granted ms}
 -- An acquire whose weight is above the limit in force answers {3, limit}.
@@ -170,6 +171,24 @@ for i = 8, args - 1 do
   end
 end
 
+-- An operator evicts a stuck holder by its id; its slot goes to the line below.
+local evicted = 0
+if op == 'evict' then
+  local cursor = '0'
+  repeat
+    local page = redis.call('ZSCAN', holders, cursor, 'MATCH', ARGV[args] .. ':*', 'COUNT', 1000)
+    cursor = page[2][1] and '0' or page[1]
+    local member = page[2][1]
+    if member and redis.call('ZREM', holders, member) == 1 then
+      redis.call('HDEL', since, member)
+      used = used - parse(member)
+      count = count - 1
+      changed = true
+      evicted = 1
+    end
+  until cursor == '0'
+end
+
 -- Admit waiters in arrival order while the oldest fits; forget waiters that stopped answering
 -- (and any whose liveness entry is gone).
 local granted = {}
@@ -284,6 +303,8 @@ elseif op == 'used' then
   reply = math.max(used, 0)
 elseif op == 'set_limit' then
   reply = 1
+elseif op == 'evict' then
+  reply = evicted
 elseif op == 'snapshot' then
   reply = {limit, math.max(used, 0), redis.call('ZCARD', queue), now}
   for _, entry in ipairs(redis.call('ZRANGE', holders, 0, -1, 'WITHSCORES')) do

@@ -954,6 +954,20 @@ impl Store for RedisSemaphore {
             }
         })
     }
+
+    fn evict<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            match self
+                .run("evict", None, None, |script, _| {
+                    script.arg(id);
+                })
+                .await?
+            {
+                Value::Int(evicted) => Ok(evicted == 1),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
 }
 
 impl Refresh for RedisSemaphore {
