@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::Error;
 use crate::backend::{Attempt, Backend, Mode, Opened};
@@ -330,6 +331,19 @@ impl Semaphore {
     /// or does not answer within its own call timeout gives [`Error::Backend`], or what the
     /// semaphore's [`OutagePolicy`] says.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
+        let span = self.span(weight, "wait");
+        self.acquire_in_span(weight).instrument(span).await
+    }
+
+    /// A span per acquisition (target `tower_distributed_limit::acquire`, DEBUG) with the
+    /// semaphore, the weight and the mode; its outcome and wait are recorded when it ends.
+    fn span(&self, weight: u32, mode: &'static str) -> tracing::Span {
+        tracing::debug_span!(target: "tower_distributed_limit::acquire", "acquire",
+            semaphore = %self.inner.settings.name, weight, mode,
+            outcome = tracing::field::Empty, wait_ms = tracing::field::Empty)
+    }
+
+    async fn acquire_in_span(&self, weight: u32) -> Result<Permit, Error> {
         self.check_weight(weight)?;
         let started = Instant::now();
         let deadline = deadline_after(self.inner.settings.acquire_timeout);
@@ -360,6 +374,9 @@ impl Semaphore {
             Err(_) => return,
         };
         telemetry.acquire(outcome, started.elapsed());
+        let span = tracing::Span::current();
+        span.record("outcome", outcome.as_str());
+        span.record("wait_ms", started.elapsed().as_secs_f64() * 1000.0);
     }
 
     /// One attempt at one permit: `Ok(None)` when the semaphore is full.
@@ -373,6 +390,11 @@ impl Semaphore {
     /// A weight of 0 or above the limit fails with [`Error::Config`]; a failing backend with
     /// [`Error::Backend`], or what the semaphore's [`OutagePolicy`] says.
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
+        let span = self.span(weight, "once");
+        self.try_in_span(weight).instrument(span).await
+    }
+
+    async fn try_in_span(&self, weight: u32) -> Result<Option<Permit>, Error> {
         self.check_weight(weight)?;
         let started = Instant::now();
         let result = match self.try_once(weight).await {

@@ -55,7 +55,13 @@ pub(crate) enum Outcome {
     TooManyWaiters,
 }
 
-#[cfg(feature = "metrics")]
+impl Outcome {
+    /// Its word in `dlimit_acquire_total` and in the acquire span.
+    pub(crate) fn as_str(self) -> &'static str {
+        OUTCOMES[self as usize]
+    }
+}
+
 const OUTCOMES: [&str; 6] = [
     "acquired",
     "degraded",
