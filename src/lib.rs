@@ -65,6 +65,7 @@ pub mod layer;
 mod lease;
 mod outage;
 mod permit;
+pub mod rate;
 mod semaphore;
 mod sync;
 mod telemetry;
@@ -81,3 +82,6 @@ pub use layer::{
 pub use outage::OutagePolicy;
 pub use permit::Permit;
 pub use semaphore::{Semaphore, SemaphoreBuilder};
+// The global rate limit (issue 13).
+pub use backend::{RateBackend, RateDecision};
+pub use rate::{DistributedRateLimitLayer, RateLimiter, RateLimiterBuilder};
