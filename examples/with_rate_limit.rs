@@ -8,9 +8,10 @@
 //!   "60 requests per minute per API key", however fast each one is.
 //!
 //! A concurrency cap alone lets fast requests through at any rate; a rate cap alone lets slow
-//! requests pile up without bound. Here the concurrency limit is global (shared through the
-//! semaphore's backend) while tower's `RateLimitLayer` counts per process; a global GCRA
-//! rate-limit layer on the same Redis is on this crate's roadmap.
+//! requests pile up without bound. Both limits here are global: the semaphore and the
+//! `RateLimiter` live on the same backend, so ten instances together still start at most 5
+//! calls per 200 ms and run at most 2 at once (tower's `RateLimitLayer` would count per
+//! process: ten pods, ten times the rate).
 //!
 //! Uses an in-process backend unless `REDIS_URL` is set.
 
@@ -19,11 +20,19 @@ mod support;
 use std::time::{Duration, Instant};
 
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
-use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Semaphore};
+use tower_distributed_limit::{
+    DistributedConcurrencyLimitLayer, DistributedRateLimitLayer, Error, MemoryBackend, RateLimiter,
+    Semaphore,
+};
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let sem = support::build(Semaphore::builder("example-llm-api").limit(2)).await?;
+    let rate = RateLimiter::builder("example-llm-api").rate(5, Duration::from_millis(200));
+    let rate = match std::env::var("REDIS_URL") {
+        Ok(url) => rate.build(support::redis(&url).await?)?,
+        Err(_) => rate.build(MemoryBackend::new())?,
+    };
     let started = Instant::now();
     let upstream = service_fn(move |req: http::Request<String>| async move {
         tokio::time::sleep(Duration::from_millis(50)).await; // the upstream's work
@@ -33,25 +42,33 @@ async fn main() -> Result<(), BoxError> {
             started.elapsed().as_millis()
         ))
     });
-    // Outermost first: take a global slot, then queue in a buffer (tower's RateLimit is not
-    // Clone, the buffer makes the stack shareable), then wait for the rate: 5 per 200 ms.
+    // Outermost first: the rate check (one script call; a refusal spends nothing), then a
+    // global concurrency slot. A caller refused for rate waits the `retry_after` it was told.
     let client = ServiceBuilder::new()
+        .layer(DistributedRateLimitLayer::new(rate))
         .layer(DistributedConcurrencyLimitLayer::new(sem))
-        .buffer(32)
-        .rate_limit(5, Duration::from_millis(200))
         .service(upstream);
 
-    let mut calls = tokio::task::JoinSet::new();
-    for i in 0..10 {
+    // Joined in this task rather than spawned: spawning trips a compiler limitation
+    // (rust-lang/rust#64552) on the BoxError bounds of the stack.
+    let calls = (0..10).map(|i| {
         let client = client.clone();
-        // Spawned as is: wrapping it in an `async` block trips a compiler limitation
-        // (rust-lang/rust#64552) on the BoxError bounds of the stack.
-        calls.spawn(client.oneshot(http::Request::new(format!("call {i}"))));
-    }
-    let mut lines = Vec::new();
-    while let Some(call) = calls.join_next().await {
-        lines.push(call??);
-    }
+        async move {
+            loop {
+                let request = http::Request::new(format!("call {i}"));
+                match client.clone().oneshot(request).await {
+                    Err(e) => match e.downcast_ref::<Error>() {
+                        Some(Error::RateLimited { retry_after }) => {
+                            tokio::time::sleep(*retry_after).await
+                        }
+                        _ => return Err(e),
+                    },
+                    done => return done,
+                }
+            }
+        }
+    });
+    let mut lines = futures_util::future::try_join_all(calls).await?;
     lines.sort_by_key(|line| line.split(" done at ").nth(1).map(str::to_owned));
     for line in lines {
         println!("{line}");

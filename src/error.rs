@@ -81,6 +81,19 @@ pub enum Error {
     )]
     LeaseLost,
 
+    /// The rate limit was reached: the request was refused by a
+    /// [`RateLimiter`](crate::RateLimiter) (through
+    /// [`DistributedRateLimitLayer`](crate::DistributedRateLimitLayer) or a combined check) and
+    /// spent nothing. The same request is allowed after `retry_after`.
+    #[error(
+        "the rate limit was reached; retry after {retry_after:?}, or raise the limiter's rate or \
+         burst"
+    )]
+    RateLimited {
+        /// How long until the same request would be allowed.
+        retry_after: Duration,
+    },
+
     /// The backend failed: Redis unreachable or too slow, a script error, or a key of the wrong
     /// type under the key prefix. The message says which and what to do.
     #[error(transparent)]

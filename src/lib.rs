@@ -65,6 +65,7 @@ pub mod layer;
 mod lease;
 mod outage;
 mod permit;
+pub mod rate;
 mod semaphore;
 mod snapshot;
 mod sync;
@@ -74,6 +75,7 @@ mod waitlist;
 pub use backend::{
     Backend, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend, RedisBackendBuilder,
 };
+pub use backend::{RateBackend, RateDecision};
 pub use error::{BackendError, Error};
 pub use layer::{
     DistributedConcurrencyLimitLayer, FencingToken, HttpConcurrencyLimitLayer, Partitions,
@@ -81,5 +83,6 @@ pub use layer::{
 };
 pub use outage::OutagePolicy;
 pub use permit::Permit;
+pub use rate::{DistributedRateLimitLayer, RateLimiter, RateLimiterBuilder};
 pub use semaphore::{Semaphore, SemaphoreBuilder};
 pub use snapshot::{Holder, Snapshot};

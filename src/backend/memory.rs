@@ -8,6 +8,9 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::gcra::{
+    Cells, Gcra, OpenedRate, RateBackend, RateDecision, RateStore, sealed::OpenRate,
+};
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
 use crate::snapshot::{Holder, Snapshot};
@@ -51,6 +54,8 @@ struct InProcess {
     hub: Hub,
     /// The backend's clock reads µs since this instant.
     epoch: Instant,
+    /// The rate limiters' state (see the rate block at the end of this file).
+    rates: Mutex<Cells>,
 }
 
 impl Default for InProcess {
@@ -59,6 +64,7 @@ impl Default for InProcess {
             state: Mutex::default(),
             hub: Hub::new(None),
             epoch: Instant::now(),
+            rates: Mutex::default(),
         }
     }
 }
@@ -400,5 +406,46 @@ impl Refresh for MemorySemaphore {
             (statuses, permits.retry_in(now, KEEPALIVE))
         });
         Box::pin(async move { Ok(found) })
+    }
+}
+
+// ---- Rate limiters (issue 13): the same GCRA as `lua/rate.lua`, on this backend's clock. ----
+
+impl RateBackend for MemoryBackend {}
+
+impl OpenRate for MemoryBackend {
+    fn open_rate(&self, name: &str, gcra: Gcra) -> Result<OpenedRate, Error> {
+        let store = Arc::new(MemoryRate {
+            shared: self.shared.clone(),
+            name: name.into(),
+            gcra,
+        });
+        Ok(OpenedRate { store })
+    }
+}
+
+struct MemoryRate {
+    shared: Arc<InProcess>,
+    name: Arc<str>,
+    gcra: Gcra,
+}
+
+impl RateStore for MemoryRate {
+    fn check<'a>(
+        &'a self,
+        key: Option<&'a str>,
+        n: u32,
+    ) -> BoxFuture<'a, Result<RateDecision, Error>> {
+        let now = self.shared.server_us(Instant::now());
+        let mut cells = lock(&self.shared.rates);
+        let decision = match key {
+            None => cells.check(&self.name, &self.gcra, now, u64::from(n)),
+            Some(part) => {
+                let name = format!("{}:{part}", self.name);
+                cells.check(&name, &self.gcra, now, u64::from(n))
+            }
+        };
+        drop(cells);
+        Box::pin(async move { Ok(decision) })
     }
 }

@@ -4,6 +4,7 @@
 //! A new backend is one file here: implement `sealed::Open` and `Store` (and `Refresh`, the
 //! touch that waiting needs) from `store.rs`, then list it below.
 
+mod gcra;
 mod memory;
 mod quorum;
 mod redis;
@@ -13,6 +14,9 @@ pub use self::memory::MemoryBackend;
 pub use self::quorum::{QuorumBackend, QuorumBackendBuilder};
 pub use self::redis::{RedisBackend, RedisBackendBuilder};
 pub(crate) use self::store::{Attempt, Member, Mode, Opened, Store, sealed};
+// The rate limiter's side: see gcra.rs.
+pub(crate) use self::gcra::{EXACT, Gcra, RateStore};
+pub use self::gcra::{RateBackend, RateDecision};
 
 /// A store of distributed permits: [`RedisBackend`] across processes and machines,
 /// [`MemoryBackend`] within one process. Pass one to

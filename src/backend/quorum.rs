@@ -740,3 +740,21 @@ impl Refresh for QuorumSemaphore {
         })
     }
 }
+
+// ---- Rate limiters (issue 13): not on a quorum yet. ----
+
+impl super::gcra::RateBackend for QuorumBackend {}
+
+impl super::gcra::sealed::OpenRate for QuorumBackend {
+    fn open_rate(
+        &self,
+        name: &str,
+        _: super::gcra::Gcra,
+    ) -> Result<super::gcra::OpenedRate, Error> {
+        Err(Error::config(format!(
+            "rate limiter {name:?}: rate limiting is not supported on a QuorumBackend yet (a GCRA \
+             over independent masters is not exact); use a RedisBackend (one node, Cluster or \
+             Sentinel) for the rate limit, next to the quorum's semaphore"
+        )))
+    }
+}

@@ -14,6 +14,7 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 mod connection;
+mod rate;
 
 use self::connection::{Conn, Nodes, Target};
 pub(super) use self::connection::{Pushes, manager_config};

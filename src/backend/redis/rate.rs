@@ -1,0 +1,147 @@
+//! Rate limiters in Redis: one key per limiter (or partition), `<prefix>{name}:rate`, under the
+//! same hash tag as a semaphore of that name, so both sit on one Cluster node. Every check is
+//! one call of `lua/rate.lua`, by SHA (with the source on `NOSCRIPT`).
+
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use redis::{Cmd, ErrorKind, Script, ServerErrorKind, Value};
+use tokio::time::Instant;
+
+use super::{CALLS, Connection, RedisBackend, hash_tag, is_transient, redis_error};
+use crate::Error;
+use crate::backend::gcra::{
+    Gcra, OpenedRate, RateBackend, RateDecision, RateStore, sealed::OpenRate,
+};
+use crate::sync::BoxFuture;
+
+const SOURCE: &str = include_str!("../lua/rate.lua");
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SOURCE));
+
+impl RateBackend for RedisBackend {}
+
+impl OpenRate for RedisBackend {
+    fn open_rate(&self, name: &str, gcra: Gcra) -> Result<OpenedRate, Error> {
+        let store = Arc::new(RedisRate {
+            shared: self.shared.clone(),
+            prefix: self.prefix.clone(),
+            name: name.into(),
+            key: rate_key(&self.prefix, name),
+            gcra,
+        });
+        Ok(OpenedRate { store })
+    }
+}
+
+/// The key of the limiter (or partition) called `name`.
+fn rate_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}{}:rate", hash_tag(name))
+}
+
+struct RedisRate {
+    shared: Arc<Connection>,
+    prefix: Arc<str>,
+    name: Arc<str>,
+    key: String,
+    gcra: Gcra,
+}
+
+impl RedisRate {
+    fn command(&self, key: &str, n: u32, source: bool) -> Cmd {
+        let mut command = if source {
+            let mut command = redis::cmd("EVAL");
+            command.arg(SOURCE);
+            command
+        } else {
+            let mut command = redis::cmd("EVALSHA");
+            command.arg(SCRIPT.get_hash());
+            command
+        };
+        command
+            .arg(1)
+            .arg(key)
+            .arg(self.gcra.rate)
+            .arg(self.gcra.period_us)
+            .arg(self.gcra.burst)
+            .arg(n);
+        command
+    }
+
+    /// One call, by SHA then by source; a dropped connection is asked once more, a loading or
+    /// busy server again after a jittered pause within the call timeout. A rate check may run
+    /// twice only if the first reply was lost: at worst it spends its cost twice.
+    async fn call(&self, key: &str, n: u32) -> Result<Value, Error> {
+        let until = Instant::now() + self.shared.call_timeout;
+        let mut conn = self.shared.conn.clone();
+        let mut dropped_once = false;
+        let mut pause = Duration::from_millis(10);
+        let mut source = false;
+        loop {
+            tracing::trace!(target: CALLS, op = "rate", "script call");
+            let result = self.command(key, n, source).query_async(&mut conn).await;
+            match result {
+                Err(e) if !source && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    source = true;
+                }
+                Err(e) if e.is_connection_dropped() && !dropped_once => dropped_once = true,
+                Err(e) if is_transient(&e) && Instant::now() + pause < until => {
+                    tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64())).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+                other => return other.map_err(|e| redis_error(e, "rate")),
+            }
+        }
+    }
+}
+
+impl RateStore for RedisRate {
+    fn check<'a>(
+        &'a self,
+        key: Option<&'a str>,
+        n: u32,
+    ) -> BoxFuture<'a, Result<RateDecision, Error>> {
+        Box::pin(async move {
+            let reply = match key {
+                None => self.call(&self.key, n).await?,
+                Some(part) => {
+                    let key = rate_key(&self.prefix, &format!("{}:{part}", self.name));
+                    self.call(&key, n).await?
+                }
+            };
+            decision(&reply).ok_or_else(|| {
+                Error::backend(
+                    format!(
+                        "the rate script answered {reply:?}, which this version does not \
+                         understand; is another program or version using the same key prefix?"
+                    ),
+                    None,
+                )
+            })
+        })
+    }
+}
+
+/// `{allowed, remaining, retry µs (-1: none), reset µs}`.
+pub(super) fn decision(reply: &Value) -> Option<RateDecision> {
+    let Value::Array(items) = reply else {
+        return None;
+    };
+    let numbers: Vec<i64> = items
+        .iter()
+        .map(|item| match item {
+            Value::Int(n) => Some(*n),
+            _ => None,
+        })
+        .collect::<Option<_>>()?;
+    let &[allowed, remaining, retry_us, reset_us] = numbers.as_slice() else {
+        return None;
+    };
+    let micros = |us: i64| Duration::from_micros(u64::try_from(us).unwrap_or(0));
+    Some(RateDecision {
+        allowed: allowed == 1,
+        remaining: u32::try_from(remaining).unwrap_or(0),
+        retry_after: (allowed != 1).then(|| micros(retry_us)),
+        reset_after: micros(reset_us),
+        degraded: false,
+    })
+}
