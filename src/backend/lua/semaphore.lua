@@ -12,7 +12,8 @@
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
 -- A member is "<holder id>:<weight>:<lease ms>". All keys share one hash tag (one Cluster
 -- slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
--- when the last holder leaves); queue and alive expire with the latest waiter deadline.
+-- when nothing is held past that horizon); queue and alive expire with the latest waiter
+-- deadline.
 --
 -- ARGV: operation, channel, its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
 -- patience ms, claim ms, k, then k members to release
@@ -320,8 +321,9 @@ else
 end
 
 if changed then
-  if count <= 0 and not pinned and redis.call('EXISTS', holders) == 0 then
-    -- The last holder left: nothing stays behind (the token floor survives the lost counter).
+  if count <= 0 and not pinned and horizon <= now then
+    -- Nothing held and nothing to remember: nothing stays behind (the token floor survives
+    -- the lost counter). Otherwise meta, with the limit in force, lives until the horizon.
     redis.call('DEL', meta)
   else
     redis.call('HSET', meta, 'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence),
