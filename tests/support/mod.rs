@@ -82,15 +82,7 @@ impl Redis {
 
     /// How many times Redis ran EVALSHA so far (INFO commandstats).
     pub async fn evalsha_calls(&self) -> u64 {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(&mut self.conn().await)
-            .await
-            .unwrap();
-        info.lines()
-            .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-            .and_then(|rest| rest.split(',').next())
-            .map_or(0, |calls| calls.parse().unwrap())
+        evalsha_calls_at(&self.url).await
     }
 
     pub fn kill(&mut self) {
@@ -161,6 +153,24 @@ impl Drop for RedisProcess {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// How many times the server at `url` ran EVALSHA so far (INFO commandstats).
+pub async fn evalsha_calls_at(url: &str) -> u64 {
+    let mut conn = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
 }
 
 /// A loopback port nobody listens on now (never 6379).

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Duration;
 
 mod connection;
@@ -31,9 +31,100 @@ use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{CLAIM, ClockReading, Hub, PATIENCE, Refresh, Status, Until, Waitlist};
 
-/// Every operation on a semaphore, in one script; sent by SHA once the server knows it.
-const SOURCE: &str = include_str!("../lua/semaphore.lua");
-static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SOURCE));
+/// Every operation on a semaphore, in one script.
+static SEMAPHORE: Lua = Lua::new(include_str!("../lua/semaphore.lua"));
+
+/// A Lua script, sent by SHA once the server knows it.
+struct Lua {
+    source: &'static str,
+    script: OnceLock<Script>,
+}
+
+impl Lua {
+    const fn new(source: &'static str) -> Self {
+        Lua {
+            source,
+            script: OnceLock::new(),
+        }
+    }
+
+    fn sha(&self) -> &str {
+        self.script
+            .get_or_init(|| Script::new(self.source))
+            .get_hash()
+    }
+}
+
+/// One call of `lua` on `conn`, its keys and arguments written by `args` (told whether this is
+/// a repeat), with `WAIT` for `replicas` in the same pipeline; the reply, and how many replicas
+/// acknowledged.
+///
+/// The call goes by SHA, and with the whole source (`EVAL`, which also caches it) when the
+/// server does not know the script: routed by key like the call itself, so on a cluster it
+/// never waits for the other nodes, as `SCRIPT LOAD` to every node would. A call whose
+/// connection dropped is sent once more (the connection manager reconnects on that error). A
+/// server that is loading its data or busy with a script is asked again after a jittered
+/// pause, until `until`.
+async fn invoke(
+    lua: &Lua,
+    conn: &mut Conn,
+    op: &'static str,
+    until: Instant,
+    replicas: Option<Replicas>,
+    args: impl Fn(&mut Cmd, bool),
+) -> RedisResult<(Value, Option<i64>)> {
+    let (mut source, mut repeat, mut dropped_once, mut pushes) = (false, false, false, 0);
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let mut command = if source {
+            let mut command = redis::cmd("EVAL");
+            command.arg(lua.source);
+            command
+        } else {
+            let mut command = redis::cmd("EVALSHA");
+            command.arg(lua.sha());
+            command
+        };
+        args(&mut command, repeat);
+        tracing::trace!(target: CALLS, op, repeat, "script call");
+        let result = match replicas {
+            None => command.query_async(conn).await.map(|reply| (reply, None)),
+            Some(Replicas { count, timeout }) => {
+                let mut pipe = redis::pipe();
+                pipe.add_command(command)
+                    .cmd("WAIT")
+                    .arg(count)
+                    .arg(timeout.as_millis() as u64);
+                pipe.query_async::<(Value, i64)>(conn)
+                    .await
+                    .map(|(reply, acked)| (reply, Some(acked)))
+            }
+        };
+        match result {
+            // A push in place of the reply: redis-rs's cluster client can hand back the
+            // server's `sunsubscribe` of a moving slot as the answer to a call in flight. The
+            // call itself may have run; every operation is safe to send again.
+            Ok((Value::Push { .. }, _)) if pushes < 3 => {
+                pushes += 1;
+                repeat = true;
+            }
+            Err(e) if !source && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                source = true;
+            }
+            Err(e) if e.is_connection_dropped() && !dropped_once => {
+                dropped_once = true;
+                repeat = true;
+            }
+            Err(e) if is_transient(&e) && Instant::now() + pause < until => {
+                tracing::debug!(op, error = %e, "Redis is loading or busy; asking again");
+                tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64())).await;
+                pause = (pause * 2).min(Duration::from_millis(200));
+                repeat = true;
+            }
+            other => return other,
+        }
+    }
+}
 
 /// How long a channel stays subscribed after its last local waiter left, so a semaphore that
 /// is full on and off does not subscribe and unsubscribe on every wait.
@@ -472,6 +563,15 @@ pub(super) fn on_push(hub: &Weak<Hub>, push: PushInfo) {
             }
         }
         PushKind::Disconnection => hub.touch_everyone(),
+        // The server dropped a sharded subscription (its slot moved): the waiters check their
+        // line, and the next one to queue subscribes again.
+        PushKind::SUnsubscribe => {
+            if let Some(Value::BulkString(channel)) = push.data.first()
+                && let Some(list) = std::str::from_utf8(channel).ok().and_then(|c| hub.get(c))
+            {
+                list.subscribed(false);
+            }
+        }
         _ => {}
     }
 }
@@ -630,61 +730,39 @@ impl RedisSemaphore {
             members: std::mem::take(&mut self.unsent().members),
             settled: false,
         };
-        // By SHA; with the whole source (`EVAL`, which also caches it) when the server does
-        // not know the script: routed by key like the call itself, so on a cluster it never
-        // waits for the other nodes, as `SCRIPT LOAD` to every node would.
-        let command = |repeat: bool, source: bool| {
-            let mut command = if source {
-                let mut command = redis::cmd("EVAL");
-                command.arg(SOURCE);
-                command
-            } else {
-                let mut command = redis::cmd("EVALSHA");
-                command.arg(SCRIPT.get_hash());
-                command
-            };
-            command
-                .arg(self.keys.len())
-                .arg(&self.keys[..])
-                .arg(op)
-                .arg(&self.channel)
-                .arg(self.shared.conn.publisher())
-                .arg(self.limit)
-                .arg(PATIENCE.as_millis() as u64)
-                .arg(CLAIM.as_millis() as u64)
-                .arg(carried.members.len() + usize::from(releasing.is_some()));
-            if let Some(member) = releasing {
-                command.arg(&*member.text);
-            }
-            for member in &carried.members {
-                command.arg(&**member);
-            }
-            args(&mut command, repeat);
-            tracing::trace!(target: CALLS, op, carried = carried.members.len(), repeat, "script call");
-            command
-        };
-        let confirm = matches!(op, "acquire" | "touch" | "renew");
+        let replicas = self
+            .shared
+            .replicas
+            .filter(|_| matches!(op, "acquire" | "touch" | "renew"));
         let until = until.unwrap_or_else(|| Instant::now() + self.shared.call_timeout);
         let mut conn = self.shared.conn.clone();
-        let mut result = self
-            .send(&mut conn, |source| command(false, source), confirm)
-            .await;
-        let mut dropped_once = false;
-        let mut pause = Duration::from_millis(10);
-        loop {
-            match &result {
-                Err(e) if e.is_connection_dropped() && !dropped_once => dropped_once = true,
-                Err(e) if is_transient(e) && Instant::now() + pause < until => {
-                    tracing::debug!(op, error = %e, "Redis is loading or busy; asking again");
-                    tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64())).await;
-                    pause = (pause * 2).min(Duration::from_millis(200));
+        let result = invoke(
+            &SEMAPHORE,
+            &mut conn,
+            op,
+            until,
+            replicas,
+            |command, repeat| {
+                command
+                    .arg(self.keys.len())
+                    .arg(&self.keys[..])
+                    .arg(op)
+                    .arg(&self.channel)
+                    .arg(self.shared.conn.publisher())
+                    .arg(self.limit)
+                    .arg(PATIENCE.as_millis() as u64)
+                    .arg(CLAIM.as_millis() as u64)
+                    .arg(carried.members.len() + usize::from(releasing.is_some()));
+                if let Some(member) = releasing {
+                    command.arg(&*member.text);
                 }
-                _ => break,
-            }
-            result = self
-                .send(&mut conn, |source| command(true, source), confirm)
-                .await;
-        }
+                for member in &carried.members {
+                    command.arg(&**member);
+                }
+                args(command, repeat);
+            },
+        )
+        .await;
         carried.settled = true;
         let result = result
             .map_err(|e| redis_error(e, op))
@@ -708,40 +786,6 @@ impl RedisSemaphore {
             tracing::warn!(error = %e, count = carried.members.len(), "releases failed: those slots free when their leases end");
         }
         result
-    }
-
-    /// Sends one script call (with its source on `NOSCRIPT`), with `WAIT` in the same pipeline
-    /// when replicas must acknowledge it; the reply, and how many acknowledged.
-    async fn send(
-        &self,
-        conn: &mut Conn,
-        command: impl Fn(bool) -> Cmd,
-        confirm: bool,
-    ) -> RedisResult<(Value, Option<i64>)> {
-        let replicas = self.shared.replicas.filter(|_| confirm);
-        let mut source = false;
-        loop {
-            let command = command(source);
-            let result = match replicas {
-                None => command.query_async(conn).await.map(|reply| (reply, None)),
-                Some(Replicas { count, timeout }) => {
-                    let mut pipe = redis::pipe();
-                    pipe.add_command(command)
-                        .cmd("WAIT")
-                        .arg(count)
-                        .arg(timeout.as_millis() as u64);
-                    pipe.query_async::<(Value, i64)>(conn)
-                        .await
-                        .map(|(reply, acked)| (reply, Some(acked)))
-                }
-            };
-            match result {
-                Err(e) if !source && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    source = true;
-                }
-                other => return other,
-            }
-        }
     }
 
     /// Logs once when the limit in force is not the one this process was built with.

@@ -2,21 +2,21 @@
 //! same hash tag as a semaphore of that name, so both sit on one Cluster node. Every check is
 //! one call of `lua/rate.lua`, by SHA (with the source on `NOSCRIPT`).
 
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use redis::{Cmd, ErrorKind, Script, ServerErrorKind, Value};
+use redis::Value;
 use tokio::time::Instant;
 
-use super::{CALLS, Connection, RedisBackend, hash_tag, is_transient, redis_error};
+use super::{Connection, Lua, RedisBackend, hash_tag, invoke, redis_error};
 use crate::Error;
 use crate::backend::gcra::{
     Gcra, OpenedRate, RateBackend, RateDecision, RateStore, sealed::OpenRate,
 };
 use crate::sync::BoxFuture;
 
-const SOURCE: &str = include_str!("../lua/rate.lua");
-static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(SOURCE));
+/// One GCRA check, in one script.
+static RATE: Lua = Lua::new(include_str!("../lua/rate.lua"));
 
 impl RateBackend for RedisBackend {}
 
@@ -47,50 +47,24 @@ struct RedisRate {
 }
 
 impl RedisRate {
-    fn command(&self, key: &str, n: u32, source: bool) -> Cmd {
-        let mut command = if source {
-            let mut command = redis::cmd("EVAL");
-            command.arg(SOURCE);
-            command
-        } else {
-            let mut command = redis::cmd("EVALSHA");
-            command.arg(SCRIPT.get_hash());
-            command
-        };
-        command
-            .arg(1)
-            .arg(key)
-            .arg(self.gcra.rate)
-            .arg(self.gcra.period_us)
-            .arg(self.gcra.burst)
-            .arg(n);
-        command
-    }
-
-    /// One call, by SHA then by source; a dropped connection is asked once more, a loading or
-    /// busy server again after a jittered pause within the call timeout. A rate check may run
-    /// twice only if the first reply was lost: at worst it spends its cost twice.
+    /// One check (see `invoke`). A rate check may run twice only if the first reply was lost
+    /// to a dropped connection: at worst it spends its cost twice.
     async fn call(&self, key: &str, n: u32) -> Result<Value, Error> {
         let until = Instant::now() + self.shared.call_timeout;
         let mut conn = self.shared.conn.clone();
-        let mut dropped_once = false;
-        let mut pause = Duration::from_millis(10);
-        let mut source = false;
-        loop {
-            tracing::trace!(target: CALLS, op = "rate", "script call");
-            let result = self.command(key, n, source).query_async(&mut conn).await;
-            match result {
-                Err(e) if !source && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    source = true;
-                }
-                Err(e) if e.is_connection_dropped() && !dropped_once => dropped_once = true,
-                Err(e) if is_transient(&e) && Instant::now() + pause < until => {
-                    tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64())).await;
-                    pause = (pause * 2).min(Duration::from_millis(200));
-                }
-                other => return other.map_err(|e| redis_error(e, "rate")),
-            }
-        }
+        let gcra = &self.gcra;
+        invoke(&RATE, &mut conn, "rate", until, None, |command, _| {
+            command
+                .arg(1)
+                .arg(key)
+                .arg(gcra.rate)
+                .arg(gcra.period_us)
+                .arg(gcra.burst)
+                .arg(n);
+        })
+        .await
+        .map(|(reply, _)| reply)
+        .map_err(|e| redis_error(e, "rate"))
     }
 }
 
