@@ -1,5 +1,5 @@
 //! Operating a semaphore: snapshots of who holds what, and one limit for every process
-//! (`set_limit`), on both backends and against a real redis-server.
+//! (`set_limit`), on both backends and against a real redis-server, with two OS processes.
 
 #[macro_use]
 mod support;
@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_distributed_limit::{Backend, Error, Semaphore};
+use tower_distributed_limit::{Backend, Error, RedisBackend, Semaphore};
 
 use support::Redis;
 
@@ -80,14 +80,14 @@ async fn lowering_the_limit_takes_nothing_from_holders(backend: impl Backend + C
     drop((held, back));
 }
 
-/// Holds `sem`'s permits with 4 tasks for `run`, counting holders with INCR/DECR on `key`.
-async fn hammer(sem: Semaphore, redis: &Redis, key: &str, run: Duration) -> i64 {
+/// Holds `sem`'s permits with 4 tasks for `run`, counting holders with INCR/DECR on the
+/// observer key `holders` at `url`; the largest count seen.
+async fn hammer(sem: Semaphore, url: &str, run: Duration) -> i64 {
     let max = Arc::new(AtomicI64::new(0));
     let end = Instant::now() + run;
     let tasks: Vec<_> = (0..4)
         .map(|_| {
-            let (sem, max, key) = (sem.clone(), max.clone(), key.to_owned());
-            let url = redis.url.clone();
+            let (sem, max, url) = (sem.clone(), max.clone(), url.to_owned());
             tokio::spawn(async move {
                 let mut conn = redis::Client::open(url)
                     .unwrap()
@@ -99,14 +99,14 @@ async fn hammer(sem: Semaphore, redis: &Redis, key: &str, run: Duration) -> i64 
                         continue;
                     };
                     let now: i64 = redis::cmd("INCR")
-                        .arg(&key)
+                        .arg("holders")
                         .query_async(&mut conn)
                         .await
                         .unwrap();
                     max.fetch_max(now, Ordering::SeqCst);
                     tokio::time::sleep(Duration::from_millis(3)).await;
                     let _: i64 = redis::cmd("DECR")
-                        .arg(&key)
+                        .arg("holders")
                         .query_async(&mut conn)
                         .await
                         .unwrap();
@@ -121,50 +121,56 @@ async fn hammer(sem: Semaphore, redis: &Redis, key: &str, run: Duration) -> i64 
     max.load(Ordering::SeqCst)
 }
 
-/// Two deployments built with limits 2 and 5 share one semaphore: both admit by the first
+fn rolling(limit: u32, backend: RedisBackend) -> Semaphore {
+    Semaphore::builder("rolling")
+        .limit(limit)
+        .acquire_timeout(Duration::from_secs(2))
+        .build(backend)
+        .unwrap()
+}
+
+/// The child: a process built with `.limit(5)`; hammers for 4 s, then says the largest count
+/// of holders it saw and the limit in force.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "runs only as a child process of the other tests"]
+async fn child_process() {
+    let Some((role, url)) = support::child_role() else {
+        return;
+    };
+    assert_eq!(role, "limit-5", "unknown role");
+    let sem = rolling(5, RedisBackend::connect(&url).await.unwrap());
+    let max = hammer(sem.clone(), &url, Duration::from_secs(4)).await;
+    println!(
+        "DLIMIT max {max} limit {}",
+        sem.snapshot().await.unwrap().limit
+    );
+}
+
+/// Two processes built with limits 2 and 5 share one semaphore: both admit by the first
 /// one's, 2; after `set_limit(3)` both report 3 and never run above it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn processes_built_with_different_limits_admit_by_one() {
     let redis = Redis::start().await;
-    let build = |limit| {
-        let redis = &redis;
-        async move {
-            Semaphore::builder("rolling")
-                .limit(limit)
-                .acquire_timeout(Duration::from_secs(2))
-                .build(redis.backend().await)
-                .unwrap()
-        }
-    };
-    let old = build(2).await;
-    let new = build(5).await;
-    drop(old.acquire().await.unwrap()); // the first process stores its limit
-    let run = Duration::from_millis(1500);
-    let (a, b) = tokio::join!(
-        hammer(old.clone(), &redis, "before", run),
-        hammer(new.clone(), &redis, "before", run)
-    );
-    assert!(
-        a.max(b) <= 2,
-        "{} held at once under a limit of 2",
-        a.max(b)
-    );
-    assert_eq!(a.max(b), 2, "the holders overlapped");
-    assert_eq!(new.snapshot().await.unwrap().limit, 2);
-
-    new.set_limit(3).await.unwrap();
-    assert_eq!(old.snapshot().await.unwrap().limit, 3);
-    assert_eq!(new.snapshot().await.unwrap().limit, 3);
-    let (a, b) = tokio::join!(
-        hammer(old.clone(), &redis, "after", run),
-        hammer(new.clone(), &redis, "after", run)
-    );
-    assert!(
-        a.max(b) <= 3,
-        "{} held at once under a limit of 3",
-        a.max(b)
-    );
-    assert_eq!(a.max(b), 3, "the raised limit is used");
+    let ours = rolling(2, redis.backend().await);
+    drop(ours.acquire().await.unwrap()); // the first process stores its limit
+    let mut child = support::spawn_child_with("limit-5", &redis.url);
+    // Both hammer for 1.5 s under the stored limit of 2.
+    let before = hammer(ours.clone(), &redis.url, Duration::from_millis(1500)).await;
+    assert!(before <= 2, "{before} held at once under a limit of 2");
+    ours.set_limit(3).await.unwrap();
+    let after = hammer(ours.clone(), &redis.url, Duration::from_millis(1500)).await;
+    assert!(after <= 3, "{after} held at once under a limit of 3");
+    let said = support::child_says(&mut child).await;
+    let (theirs, limit) = said
+        .strip_prefix("max ")
+        .and_then(|rest| rest.split_once(" limit "))
+        .expect(&said);
+    let theirs: i64 = theirs.parse().unwrap();
+    assert!(theirs <= 3, "the child saw {theirs} at once");
+    assert_eq!(limit, "3", "the child admits by the limit set");
+    assert_eq!(ours.snapshot().await.unwrap().limit, 3);
+    assert_eq!(before.max(after).max(theirs), 3, "the raised limit is used");
+    assert!(child.wait().await.unwrap().success());
 
     // A set limit stays while idle; a configured one goes with the semaphore's keys.
     let pinned: i64 = redis::cmd("PTTL")
