@@ -31,6 +31,19 @@ async fn quorum(urls: &[String]) -> QuorumBackend {
         .unwrap()
 }
 
+/// Marks every node as up for longer than any lease (a fresh node abstains for one), for the
+/// tests that are not about that.
+async fn long_lived(nodes: &[Redis]) {
+    for node in nodes {
+        redis::cmd("SET")
+            .arg("dlimit:quorum:born")
+            .arg(0)
+            .exec_async(&mut node.conn().await)
+            .await
+            .unwrap();
+    }
+}
+
 async fn three_nodes() -> (Vec<Redis>, Vec<String>) {
     let mut nodes = Vec::new();
     for _ in 0..3 {
@@ -113,7 +126,9 @@ async fn child_process() {
 /// 6 tasks hold `limit`'s semaphore for 5–20 ms at a time until `run` passes; each hold is
 /// counted with INCR/DECR on the observer. The largest count seen, and the holds.
 async fn hammer(observer: &str, nodes: &[String], limit: u32, run: Duration) -> (i64, u64) {
+    // A 3 s lease: a loaded machine's pauses do not expire a hold that is still counted.
     let sem = semaphore(&format!("hammer-{limit}"), limit)
+        .lease(Duration::from_secs(3))
         .acquire_timeout(Duration::from_secs(3))
         .build(quorum(nodes).await)
         .unwrap();
@@ -171,7 +186,8 @@ fn parse_report(said: &str) -> (i64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_limit_holds_across_processes_for_limits_2_and_5() {
-    let (_nodes, urls) = three_nodes().await;
+    let (nodes, urls) = three_nodes().await;
+    long_lived(&nodes).await;
     let observer = Redis::start().await;
     for limit in [2, 5] {
         let spec = format!("{}|{}", observer.url, urls.join(","));
@@ -195,6 +211,7 @@ async fn the_limit_holds_across_processes_for_limits_2_and_5() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_restarted_empty_and_paused_nodes_never_break_the_limit() {
     let (mut nodes, urls) = three_nodes().await;
+    long_lived(&nodes).await;
     let observer = Redis::start().await;
     let spec = format!("{}|{}", observer.url, urls.join(","));
     let mut children: Vec<_> = (0..2)
@@ -296,6 +313,7 @@ async fn naive_acquire(nodes: &[&Redis], limit: u32, member: &str) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_naive_majority_design_exceeds_the_limit_and_slots_do_not() {
     let (nodes, urls) = three_nodes().await;
+    long_lived(&nodes).await;
     let pairs = [(0, 1), (1, 2), (0, 2)];
 
     let mut naive_holders = 0;
@@ -316,7 +334,9 @@ async fn the_naive_majority_design_exceeds_the_limit_and_slots_do_not() {
     let mut holders = Vec::new();
     for (a, b) in pairs {
         let reach = [urls[a].clone(), urls[b].clone(), closed.clone()];
+        // A lease far longer than the test: no slot can come back by expiry.
         let sem = semaphore("slots", 2)
+            .lease(Duration::from_secs(60))
             .acquire_timeout(Duration::from_secs(3))
             .build(quorum(&reach).await)
             .unwrap();
