@@ -390,3 +390,116 @@ async fn a_grant_survives_a_dropped_connection() {
         .expect("the waiter rode out the reconnect");
     assert!(token > held.fencing_token());
 }
+
+/// Concurrent acquires of one process share script calls (a group commit): the first goes at
+/// once, those that arrive while it is in flight all go in the next call. Each is still decided
+/// as if alone: every one is granted, with its own token.
+#[tokio::test(flavor = "current_thread")]
+async fn concurrent_acquires_share_one_call() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("batched")
+        .limit(1000)
+        .build(redis.backend().await)
+        .unwrap();
+    drop(sem.try_acquire().await.unwrap()); // loads the script
+    sem.available_permits().await.unwrap(); // and sends that release
+    let before = redis.evalsha_calls().await;
+    let permits = futures_util::future::join_all((0..64).map(|_| sem.try_acquire())).await;
+    let calls = redis.evalsha_calls().await - before;
+    let mut tokens: Vec<u64> = permits
+        .iter()
+        .map(|p| {
+            p.as_ref()
+                .unwrap()
+                .as_ref()
+                .expect("a free slot")
+                .fencing_token()
+        })
+        .collect();
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), 64, "every acquire has its own token");
+    assert!(
+        calls <= 3,
+        "64 concurrent acquires took {calls} script calls"
+    );
+    assert_eq!(sem.available_permits().await.unwrap(), 1000 - 64);
+}
+
+/// Under a steady stream of requests (acquire, then drop the permit), releases ride on the
+/// acquires in flight: about one script call per request, not two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_costs_about_one_call_under_concurrency() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("steady")
+        .limit(64)
+        .build(redis.backend().await)
+        .unwrap();
+    drop(sem.acquire().await.unwrap());
+    let before = redis.evalsha_calls().await;
+    const TASKS: usize = 16;
+    const ROUNDS: usize = 200;
+    let workers: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let sem = sem.clone();
+            tokio::spawn(async move {
+                for _ in 0..ROUNDS {
+                    let permit = sem.acquire().await.unwrap();
+                    tokio::task::yield_now().await;
+                    drop(permit);
+                    // Writing the response: the next request comes a moment later.
+                    tokio::task::yield_now().await;
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let per_request = (redis.evalsha_calls().await - before) as f64 / (TASKS * ROUNDS) as f64;
+    println!("{per_request:.3} script calls per request");
+    assert!(
+        per_request < 1.1,
+        "{per_request:.2} script calls per request"
+    );
+    eventually(
+        Duration::from_secs(5),
+        "every release to arrive",
+        || async { sem.available_permits().await.unwrap() == 64 },
+    )
+    .await;
+}
+
+/// Acquires cancelled while they wait for the call in flight, or while their own call is in
+/// flight, leave nothing behind: every slot comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_cancelled_in_the_batch_leak_nothing() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("cancelled")
+        .limit(8)
+        .build(redis.backend().await)
+        .unwrap();
+    drop(sem.acquire().await.unwrap());
+    for round in 0..20u64 {
+        let attempts = (0..32).map(|i| {
+            let sem = sem.clone();
+            // Cut-offs from 0 to ~300 µs land before, during and after the calls.
+            let cut = Duration::from_micros((i * 37 + round * 11) % 300);
+            async move {
+                if let Ok(Ok(Some(permit))) = tokio::time::timeout(cut, sem.try_acquire()).await {
+                    drop(permit);
+                }
+            }
+        });
+        futures_util::future::join_all(attempts).await;
+    }
+    eventually(
+        Duration::from_secs(5),
+        "every slot to come back",
+        || async { sem.available_permits().await.unwrap() == 8 },
+    )
+    .await;
+    // And the semaphore still serves a full house.
+    let held: Vec<_> = futures_util::future::join_all((0..8).map(|_| sem.try_acquire())).await;
+    assert!(held.iter().all(|p| matches!(p, Ok(Some(_)))));
+}

@@ -18,9 +18,10 @@
 -- ARGV: operation, channel, its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
 -- patience ms, claim ms, k, then k members to release
 -- (holders or waiters; absent ones are ignored), then the operation's arguments:
---   acquire <member> <once|join|recheck>
---       -> {1, token, left µs, limit} granted | {2, retry ms, now µs, limit} queued
---          | {0, retry ms, now µs, limit} full (`limit`: the limit in force)
+--   acquire (<member> <once|join|recheck>)...
+--       -> per member, in order: {1, token, left µs, limit} granted
+--          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
+--          (`limit`: the limit in force); a member also released by this call is not added
 --   release                      -> how many of the k members held or waited
 --   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
 --                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
@@ -260,29 +261,51 @@ end
 
 local reply
 if op == 'acquire' then
-  local member, mode = ARGV[args], ARGV[args + 1]
-  local state, token, rest = 0, 0, 0
-  if mode == 'recheck' then
-    state, token, rest = status(member)
+  -- Several acquires of one process may share a call; each is decided in turn, in arrival
+  -- order, as if made alone. One released by this very call was cancelled by its caller
+  -- meanwhile: it is not added.
+  local cancelled = {}
+  for i = 8, args - 1 do
+    cancelled[ARGV[i]] = true
   end
-  if state ~= 1 and parse(member) > limit then
-    reply = {3, limit}
-  elseif state == 1 then
-    reply = {1, token, rest, limit}
-  elseif state == 2 then
-    reply = {2, retry_in(), now_us, limit}
-  elseif waiting == 0 and used + parse(member) <= limit then
-    local _, lease = parse(member)
-    local deadline
-    token, deadline = grant(member, lease)
-    reply = {1, token, left(deadline), limit}
-  elseif mode ~= 'once' then
-    redis.call('ZADD', queue, now_us, member)
-    waiting = 1
-    wait(member)
-    reply = {2, retry_in(), now_us, limit}
-  else
-    reply = {0, retry_in(), now_us, limit}
+  reply = {}
+  for i = args, #ARGV - 1, 2 do
+    local member, mode = ARGV[i], ARGV[i + 1]
+    local state, token, rest = 0, 0, 0
+    if mode == 'recheck' then
+      state, token, rest = status(member)
+    end
+    local answer
+    if state ~= 1 and parse(member) > limit then
+      answer = {3, limit}
+    elseif state == 1 then
+      answer = {1, token, rest, limit}
+    elseif state == 2 then
+      answer = {2, 0, now_us, limit}
+    elseif cancelled[member] then
+      answer = {0, 0, now_us, limit}
+    elseif waiting == 0 and used + parse(member) <= limit then
+      local _, lease = parse(member)
+      local deadline
+      token, deadline = grant(member, lease)
+      answer = {1, token, left(deadline), limit}
+    elseif mode ~= 'once' then
+      redis.call('ZADD', queue, now_us, member)
+      waiting = 1
+      wait(member)
+      answer = {2, 0, now_us, limit}
+    else
+      answer = {0, 0, now_us, limit}
+    end
+    table.insert(reply, answer)
+  end
+  -- Those not granted learn when the earliest lease ends, read once after every decision.
+  local retry = nil
+  for _, answer in ipairs(reply) do
+    if answer[1] == 0 or answer[1] == 2 then
+      retry = retry or retry_in()
+      answer[2] = retry
+    end
   end
 elseif op == 'release' then
   reply = removed

@@ -22,7 +22,7 @@ use redis::{
     Client, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, PushInfo, PushKind, RedisError,
     RedisResult, Script, ServerErrorKind, TlsCertificates, Value,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
@@ -658,7 +658,7 @@ impl Open for RedisBackend {
             warned: AtomicBool::new(false),
             limit,
             channel,
-            unsent: Mutex::default(),
+            outbox: Mutex::default(),
         });
         Opened { store, waitlist }
     }
@@ -692,20 +692,36 @@ struct RedisSemaphore {
     limit: u32,
     /// A warning about the two limits differing was logged.
     warned: AtomicBool,
-    unsent: Mutex<Unsent>,
+    outbox: Mutex<Outbox>,
 }
 
-/// Releases not sent yet: the next call carries them, or a flush task sends them.
+/// What this process has not sent yet for the semaphore. Releases ride on the next call, or a
+/// flush task sends them. Acquires that arrive while an acquire call is in flight wait for it,
+/// then all go in the next call together: a group commit that never waits when nothing is in
+/// flight, so one request costs one call however many run at once.
 #[derive(Default)]
-struct Unsent {
-    members: Vec<Arc<str>>,
+struct Outbox {
+    releases: Vec<Arc<str>>,
     /// A flush task is spawned and has not started yet: later releases wait for it.
     flush_pending: bool,
+    /// An acquire call is in flight; whoever sent it passes the queued acquires on when it is
+    /// answered (see [`Sending`]).
+    sending: bool,
+    acquires: Vec<Queued>,
+}
+
+/// An acquire waiting for the call in flight.
+struct Queued {
+    member: Arc<str>,
+    mode: Mode,
+    until: Option<Instant>,
+    /// Dropped unanswered (no runtime left to send it): the caller sends it itself.
+    reply: oneshot::Sender<Result<Attempt, Error>>,
 }
 
 impl RedisSemaphore {
-    fn unsent(&self) -> MutexGuard<'_, Unsent> {
-        lock(&self.unsent)
+    fn outbox(&self) -> MutexGuard<'_, Outbox> {
+        lock(&self.outbox)
     }
 
     /// One call of the script: `op` on this semaphore, releasing `releasing` and whatever
@@ -727,7 +743,7 @@ impl RedisSemaphore {
     ) -> Result<Value, Error> {
         let mut carried = Carried {
             semaphore: self,
-            members: std::mem::take(&mut self.unsent().members),
+            members: std::mem::take(&mut self.outbox().releases),
             settled: false,
         };
         let replicas = self
@@ -801,10 +817,14 @@ impl RedisSemaphore {
         }
     }
 
-    /// Sends the waiting releases, if no other call took them meanwhile.
+    /// Sends the waiting releases, unless another call took them meanwhile or an acquire call
+    /// in flight will pass them on.
     async fn flush(&self) {
-        if self.unsent().members.is_empty() {
-            return;
+        {
+            let outbox = self.outbox();
+            if outbox.releases.is_empty() || outbox.sending {
+                return;
+            }
         }
         // `run` logs a failure; the leases are the fallback.
         let _ = self.run("release", None, None, |_, _| {}).await;
@@ -813,7 +833,7 @@ impl RedisSemaphore {
     /// Makes sure a flush task will send the waiting releases, unless one is already due to.
     fn schedule_flush(&self) {
         let Some(me) = self.me.upgrade() else { return };
-        if std::mem::replace(&mut me.unsent().flush_pending, true) {
+        if std::mem::replace(&mut me.outbox().flush_pending, true) {
             return;
         }
         // The flag goes down when the task starts, or when it is dropped unstarted (its
@@ -822,7 +842,7 @@ impl RedisSemaphore {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 runtime.spawn(async move {
-                    pending.0.unsent().flush_pending = false;
+                    pending.0.outbox().flush_pending = false;
                     pending.0.flush().await;
                 });
             }
@@ -835,6 +855,163 @@ impl RedisSemaphore {
             }
         }
     }
+
+    /// Acquires `member`: sent at once when no acquire call is in flight, otherwise with the
+    /// acquires queued behind that call, in the next one.
+    async fn acquire_batched(
+        &self,
+        member: &Member,
+        mode: Mode,
+        until: Option<Instant>,
+    ) -> Result<Attempt, Error> {
+        loop {
+            let waiting = {
+                let mut outbox = self.outbox();
+                if outbox.sending {
+                    let (reply, answer) = oneshot::channel();
+                    outbox.acquires.push(Queued {
+                        member: member.text.clone(),
+                        mode,
+                        until,
+                        reply,
+                    });
+                    Some(answer)
+                } else {
+                    outbox.sending = true;
+                    None
+                }
+            };
+            match waiting {
+                // Answered, or dropped unsent (its sender lost its runtime): then send it here.
+                Some(answer) => match answer.await {
+                    Ok(attempt) => return attempt,
+                    Err(_) => continue,
+                },
+                None => {
+                    let mut sending = Sending::new(self);
+                    let attempts = self.acquire_all(&[(&*member.text, mode)], until).await;
+                    sending.answered = true;
+                    return attempts?.pop().ok_or_else(|| {
+                        Error::backend("the acquire call answered no member", None)
+                    });
+                }
+            }
+        }
+    }
+
+    /// Sends the acquires queued behind the call that `sending` was for.
+    async fn send_queued(mut sending: Sending<Arc<RedisSemaphore>>) {
+        let queued: Vec<Queued> = {
+            let mut outbox = sending.semaphore.outbox();
+            let take = outbox.acquires.len().min(BATCH);
+            outbox.acquires.drain(..take).collect()
+        };
+        let members: Vec<(&str, Mode)> = queued.iter().map(|q| (&*q.member, q.mode)).collect();
+        let until = queued.iter().map(|q| q.until).max().flatten();
+        let attempts = sending.semaphore.acquire_all(&members, until).await;
+        sending.answered = true;
+        match attempts {
+            Ok(attempts) => {
+                for (queued, attempt) in queued.into_iter().zip(attempts) {
+                    let _ = queued.reply.send(Ok(attempt));
+                }
+            }
+            Err(e) => {
+                for queued in queued {
+                    let _ = queued.reply.send(Err(Error::backend(e.to_string(), None)));
+                }
+            }
+        }
+    }
+
+    /// Called when the acquire call in flight was answered, or given up.
+    ///
+    /// Answered, a task sends the acquires queued meanwhile (else the waiting releases are
+    /// flushed). Given up (its caller was cancelled, or its runtime went away), the queued
+    /// callers are told to send their own, so none waits for a call nobody will make.
+    fn pass_on(&self, answered: bool) {
+        let mut outbox = self.outbox();
+        // A caller that gave up needs no answer (its claim releases the member if it was sent).
+        outbox.acquires.retain(|queued| !queued.reply.is_closed());
+        let next = if outbox.acquires.is_empty() || !answered {
+            None
+        } else {
+            self.me
+                .upgrade()
+                .zip(tokio::runtime::Handle::try_current().ok())
+        };
+        match next {
+            Some((me, runtime)) => {
+                runtime.spawn(Self::send_queued(Sending::new(me)));
+            }
+            None => {
+                outbox.sending = false;
+                outbox.acquires.clear();
+                let releases = !outbox.releases.is_empty();
+                drop(outbox);
+                if releases {
+                    self.schedule_flush();
+                }
+            }
+        }
+    }
+
+    /// One acquire call for `members` (each with its mode), answered in order.
+    async fn acquire_all(
+        &self,
+        members: &[(&str, Mode)],
+        until: Option<Instant>,
+    ) -> Result<Vec<Attempt>, Error> {
+        let sent = Instant::now();
+        let reply = self
+            .run("acquire", None, until, |script, repeat| {
+                for &(member, mode) in members {
+                    let mode = if repeat && mode == Mode::Join {
+                        Mode::Recheck
+                    } else {
+                        mode
+                    };
+                    script.arg(member).arg(mode_word(mode));
+                }
+            })
+            .await?;
+        let answers = match &reply {
+            Value::Array(answers) if answers.len() == members.len() => answers,
+            _ => return Err(unexpected(&reply)),
+        };
+        answers
+            .iter()
+            .map(|answer| self.attempt(answer, sent))
+            .collect()
+    }
+
+    /// One member's answer to an acquire call sent at `sent`.
+    fn attempt(&self, reply: &Value, sent: Instant) -> Result<Attempt, Error> {
+        let numbers = integers(reply);
+        if let Some(&[first, .., limit]) = numbers.as_deref()
+            && first != 3
+        {
+            self.note_limit(limit);
+        }
+        match numbers.as_deref() {
+            Some(&[3, limit]) => Ok(Attempt::TooHeavy {
+                limit: u32::try_from(limit).map_err(|_| unexpected(reply))?,
+            }),
+            Some(&[1, token, left_us, _]) => Ok(Attempt::Granted {
+                token: token_of(token).ok_or_else(|| unexpected(reply))?,
+                remaining: micros(left_us).ok_or_else(|| unexpected(reply))?,
+            }),
+            Some(&[2, retry_ms, now_us, _]) => Ok(Attempt::Queued {
+                retry_in: millis(retry_ms),
+                clock: ClockReading {
+                    local: sent,
+                    server_us: u64::try_from(now_us).map_err(|_| unexpected(reply))?,
+                },
+            }),
+            Some(&[0, _, _, _]) => Ok(Attempt::Full),
+            _ => Err(unexpected(reply)),
+        }
+    }
 }
 
 /// Lowers the flush flag when dropped.
@@ -842,7 +1019,30 @@ struct FlushPending(Arc<RedisSemaphore>);
 
 impl Drop for FlushPending {
     fn drop(&mut self) {
-        self.0.unsent().flush_pending = false;
+        self.0.outbox().flush_pending = false;
+    }
+}
+
+/// Held by whoever sends the acquire call in flight (the outbox's `sending`); dropped, it
+/// passes the outbox on (see [`RedisSemaphore::pass_on`]).
+struct Sending<S: std::ops::Deref<Target = RedisSemaphore>> {
+    semaphore: S,
+    /// The call was answered (not cancelled, not dropped unstarted).
+    answered: bool,
+}
+
+impl<S: std::ops::Deref<Target = RedisSemaphore>> Sending<S> {
+    fn new(semaphore: S) -> Self {
+        Sending {
+            semaphore,
+            answered: false,
+        }
+    }
+}
+
+impl<S: std::ops::Deref<Target = RedisSemaphore>> Drop for Sending<S> {
+    fn drop(&mut self) {
+        self.semaphore.pass_on(self.answered);
     }
 }
 
@@ -866,7 +1066,7 @@ impl Drop for Carried<'_> {
         if self.settled || self.members.is_empty() {
             return;
         }
-        self.semaphore.unsent().members.append(&mut self.members);
+        self.semaphore.outbox().releases.append(&mut self.members);
         self.semaphore.schedule_flush();
     }
 }
@@ -887,43 +1087,7 @@ impl Store for RedisSemaphore {
         mode: Mode,
         until: Option<Instant>,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
-        Box::pin(async move {
-            let sent = Instant::now();
-            let reply = self
-                .run("acquire", None, until, |script, repeat| {
-                    let mode = if repeat && mode == Mode::Join {
-                        Mode::Recheck
-                    } else {
-                        mode
-                    };
-                    script.arg(&*member.text).arg(mode_word(mode));
-                })
-                .await?;
-            let numbers = integers(&reply);
-            if let Some(&[first, .., limit]) = numbers.as_deref()
-                && first != 3
-            {
-                self.note_limit(limit);
-            }
-            match numbers.as_deref() {
-                Some(&[3, limit]) => Ok(Attempt::TooHeavy {
-                    limit: u32::try_from(limit).map_err(|_| unexpected(&reply))?,
-                }),
-                Some(&[1, token, left_us, _]) => Ok(Attempt::Granted {
-                    token: token_of(token).ok_or_else(|| unexpected(&reply))?,
-                    remaining: micros(left_us).ok_or_else(|| unexpected(&reply))?,
-                }),
-                Some(&[2, retry_ms, now_us, _]) => Ok(Attempt::Queued {
-                    retry_in: millis(retry_ms),
-                    clock: ClockReading {
-                        local: sent,
-                        server_us: u64::try_from(now_us).map_err(|_| unexpected(&reply))?,
-                    },
-                }),
-                Some(&[0, _, _, _]) => Ok(Attempt::Full),
-                _ => Err(unexpected(&reply)),
-            }
-        })
+        Box::pin(self.acquire_batched(member, mode, until))
     }
 
     fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
@@ -936,8 +1100,13 @@ impl Store for RedisSemaphore {
     }
 
     fn release_later(&self, member: Member) {
-        self.unsent().members.push(member.text);
-        self.schedule_flush();
+        let mut outbox = self.outbox();
+        outbox.releases.push(member.text);
+        // An acquire call in flight passes the releases on when it is answered.
+        if !outbox.sending {
+            drop(outbox);
+            self.schedule_flush();
+        }
     }
 
     fn renew<'a>(
