@@ -69,6 +69,8 @@ pub(crate) struct Claim {
     armed: bool,
     /// When it became a live permit, for `dlimit_permit_hold_seconds`.
     granted: Option<Instant>,
+    /// Its grant also spent a rate limit's allowance, in the same backend call.
+    rated: bool,
 }
 
 impl Claim {
@@ -79,6 +81,7 @@ impl Claim {
             member: Member::new(weight, lease),
             armed: true,
             granted: None,
+            rated: false,
         }
     }
 
@@ -93,8 +96,10 @@ impl Claim {
 
     /// The backend granted the member with `token` until `deadline` (by this process's clock,
     /// never later than the backend's). A lease that already ended makes a permit that is lost
-    /// at once; the keeper renews the others.
-    pub(crate) fn into_permit(mut self, token: u64, deadline: Instant) -> Permit {
+    /// at once; the keeper renews the others. `rated`: the grant also spent a rate limit's
+    /// allowance.
+    pub(crate) fn into_permit(mut self, token: u64, deadline: Instant, rated: bool) -> Permit {
+        self.rated = rated;
         let lease = Lease::new(deadline);
         if lease.is_lost() {
             self.origin.telemetry.lease_lost();
@@ -159,6 +164,11 @@ impl std::fmt::Debug for Permit {
 }
 
 impl Permit {
+    /// Its grant also spent a rate limit's allowance, in the same backend call.
+    pub(crate) fn rate_spent(&self) -> bool {
+        self.claim.rated
+    }
+
     /// Unique per acquisition (a random 128-bit id, hex), never reused.
     pub fn id(&self) -> &str {
         self.claim.member.id()

@@ -7,14 +7,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::Error;
-use crate::backend::{Attempt, Backend, Mode, Opened};
+use crate::backend::{Attempt, Backend, Mode, Opened, Rated};
 use crate::keeper::Keeper;
 use crate::outage::OutagePolicy;
 use crate::permit::{Claim, Origin, Permit};
 use crate::snapshot::Snapshot;
 use crate::telemetry::{Op, Outcome, Telemetry};
 use crate::waitlist::{Waitlist, Wake};
+use crate::{Error, RateLimiter};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -332,7 +332,7 @@ impl Semaphore {
     /// semaphore's [`OutagePolicy`] says.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
         let span = self.span(weight, "wait");
-        self.acquire_in_span(weight).instrument(span).await
+        self.acquire_in_span(weight, None).instrument(span).await
     }
 
     /// A span per acquisition (target `tower_distributed_limit::acquire`, DEBUG) with the
@@ -343,13 +343,44 @@ impl Semaphore {
             outcome = tracing::field::Empty, wait_ms = tracing::field::Empty)
     }
 
-    async fn acquire_in_span(&self, weight: u32) -> Result<Permit, Error> {
+    /// A permit as [`acquire_many`](Self::acquire_many) (`wait`) or
+    /// [`try_acquire_many`](Self::try_acquire_many) (else [`Error::Full`]) take it, spending
+    /// `weight` of `rate` in the same backend call when the backend reaches the limiter there
+    /// and the permit is granted at once ([`Permit::rate_spent`]). For the layer's `rate_limit`.
+    pub(crate) async fn acquire_rated(
+        &self,
+        weight: u32,
+        wait: bool,
+        rate: &RateLimiter,
+    ) -> Result<Permit, Error> {
+        let rated = rate
+            .combinable()
+            .filter(|limiter| self.inner.origin.store.combines(limiter))
+            .map(|limiter| Rated {
+                limiter,
+                cost: weight,
+            });
+        if wait {
+            let span = self.span(weight, "wait");
+            self.acquire_in_span(weight, rated.as_ref())
+                .instrument(span)
+                .await
+        } else {
+            let span = self.span(weight, "once");
+            self.try_in_span(weight, rated.as_ref())
+                .instrument(span)
+                .await?
+                .ok_or(Error::Full)
+        }
+    }
+
+    async fn acquire_in_span(&self, weight: u32, rate: Option<&Rated>) -> Result<Permit, Error> {
         self.check_weight(weight)?;
         let started = Instant::now();
         let deadline = deadline_after(self.inner.settings.acquire_timeout);
-        let result = match self.wait_for(weight, deadline).await {
+        let result = match self.wait_for(weight, deadline, rate).await {
             Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
-                Ok(fallback) => fallback.wait_for(weight, deadline).await,
+                Ok(fallback) => fallback.wait_for(weight, deadline, None).await,
                 Err(e) => Err(e),
             },
             other => other,
@@ -391,15 +422,19 @@ impl Semaphore {
     /// [`Error::Backend`], or what the semaphore's [`OutagePolicy`] says.
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
         let span = self.span(weight, "once");
-        self.try_in_span(weight).instrument(span).await
+        self.try_in_span(weight, None).instrument(span).await
     }
 
-    async fn try_in_span(&self, weight: u32) -> Result<Option<Permit>, Error> {
+    async fn try_in_span(
+        &self,
+        weight: u32,
+        rate: Option<&Rated>,
+    ) -> Result<Option<Permit>, Error> {
         self.check_weight(weight)?;
         let started = Instant::now();
-        let result = match self.try_once(weight).await {
+        let result = match self.try_once(weight, rate).await {
             Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
-                Ok(fallback) => fallback.try_once(weight).await,
+                Ok(fallback) => fallback.try_once(weight, None).await,
                 Err(e) => Err(e),
             },
             other => other,
@@ -408,18 +443,24 @@ impl Semaphore {
         result
     }
 
-    async fn try_once(&self, weight: u32) -> Result<Option<Permit>, Error> {
+    async fn try_once(&self, weight: u32, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
         let claim = self.claim(weight);
         let sent = Instant::now();
         let attempt = self
             .inner
             .origin
             .store
-            .acquire(claim.member(), Mode::Once, None)
+            .acquire(claim.member(), Mode::Once, None, rate)
             .await?;
         match attempt {
-            Attempt::Granted { token, remaining } => {
-                Ok(Some(claim.into_permit(token, sent + remaining)))
+            Attempt::Granted { token, remaining } => Ok(Some(claim.into_permit(
+                token,
+                sent + remaining,
+                rate.is_some(),
+            ))),
+            Attempt::RateLimited { retry_after } => {
+                claim.disarm();
+                Err(Error::RateLimited { retry_after })
             }
             Attempt::Full => {
                 claim.disarm();
@@ -546,14 +587,19 @@ impl Semaphore {
     /// Waits for a permit until `deadline`. A grant that reached this process only after its
     /// lease ended (the process was paused while it waited) is given back, and the wait goes
     /// on while time remains.
-    async fn wait_for(&self, weight: u32, deadline: Instant) -> Result<Permit, Error> {
+    async fn wait_for(
+        &self,
+        weight: u32,
+        deadline: Instant,
+        rate: Option<&Rated>,
+    ) -> Result<Permit, Error> {
         let started = Instant::now();
         let timeout = || Error::Timeout {
             waited: started.elapsed(),
         };
         loop {
             let permit = self
-                .wait_once(weight, deadline)
+                .wait_once(weight, deadline, rate)
                 .await?
                 .ok_or_else(timeout)?;
             if !permit.is_lost() {
@@ -573,7 +619,12 @@ impl Semaphore {
     /// waitlist, so waiting costs no further round trip. The first call is bounded by the
     /// backend's call timeout, not by `deadline`: a slow answer is not a full semaphore, and a
     /// failed one is an outage.
-    async fn wait_once(&self, weight: u32, deadline: Instant) -> Result<Option<Permit>, Error> {
+    async fn wait_once(
+        &self,
+        weight: u32,
+        deadline: Instant,
+        rate: Option<&Rated>,
+    ) -> Result<Option<Permit>, Error> {
         let store = &self.inner.origin.store;
         let claim = self.claim(weight);
         let registered = self
@@ -591,7 +642,9 @@ impl Semaphore {
         let mut mode = Mode::Join;
         loop {
             let sent = Instant::now();
-            let call = store.acquire(claim.member(), mode, Some(deadline));
+            // The rate is decided only with the first call; a repeat found the member queued.
+            let rated = rate.filter(|_| mode == Mode::Join);
+            let call = store.acquire(claim.member(), mode, Some(deadline), rated);
             let attempt = if mode == Mode::Join {
                 call.await?
             } else {
@@ -603,7 +656,12 @@ impl Semaphore {
             mode = Mode::Recheck;
             let (retry_in, clock) = match attempt {
                 Attempt::Granted { token, remaining } => {
-                    return Ok(Some(claim.into_permit(token, sent + remaining)));
+                    let permit = claim.into_permit(token, sent + remaining, rated.is_some());
+                    return Ok(Some(permit));
+                }
+                Attempt::RateLimited { retry_after } => {
+                    claim.disarm();
+                    return Err(Error::RateLimited { retry_after });
                 }
                 Attempt::Queued { retry_in, clock } => (retry_in, clock),
                 Attempt::TooHeavy { limit } => return Err(self.too_heavy(weight, limit)),
@@ -618,7 +676,9 @@ impl Semaphore {
                 .wait_in_line(&**store, clock, retry_in, deadline)
                 .await?
             {
-                Wake::Granted { token, until } => return Ok(Some(claim.into_permit(token, until))),
+                Wake::Granted { token, until } => {
+                    return Ok(Some(claim.into_permit(token, until, false)));
+                }
                 Wake::Forgotten => {}
                 Wake::TimedOut => return Ok(None),
             }

@@ -11,8 +11,8 @@ use tokio::io::AsyncBufReadExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::{Service, ServiceExt, service_fn};
 use tower_distributed_limit::{
-    DistributedRateLimitLayer, Error, MemoryBackend, OutagePolicy, RateBackend, RateLimiter,
-    RedisBackend,
+    DistributedConcurrencyLimitLayer, DistributedRateLimitLayer, Error, MemoryBackend,
+    OutagePolicy, RateBackend, RateLimiter, RedisBackend, Semaphore,
 };
 
 use support::{Redis, child_role, child_says, spawn_child};
@@ -440,4 +440,202 @@ async fn latency_of_check_against_a_bare_evalsha() {
         "p50 check() {a:?}, bare EVALSHA {b:?}: ratio {:.2}",
         a.as_secs_f64() / b.as_secs_f64()
     );
+}
+
+/// A service whose calls wait at `gate` until let through, telling `entered` when they start.
+fn gated(
+    gate: &std::sync::Arc<tokio::sync::Semaphore>,
+    entered: &tokio::sync::mpsc::UnboundedSender<()>,
+) -> impl Service<(), Response = (), Error = tower::BoxError, Future: Send> + Clone + Send + 'static
+{
+    let (gate, entered) = (gate.clone(), entered.clone());
+    service_fn(move |()| {
+        let (gate, entered) = (gate.clone(), entered.clone());
+        async move {
+            let _ = entered.send(());
+            gate.acquire().await?.forget();
+            Ok::<_, tower::BoxError>(())
+        }
+    })
+}
+
+fn refusal(result: Result<(), tower::BoxError>) -> Option<Error> {
+    match result.err()?.downcast::<Error>() {
+        Ok(error) => Some(*error),
+        Err(other) => panic!("not a crate error: {other}"),
+    }
+}
+
+/// `DistributedConcurrencyLimitLayer::rate_limit` with both on one Redis: a request granted at
+/// once costs one script call for both limits; a request refused for concurrency spends no
+/// rate, and one refused for rate adds no holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_combined_check_is_one_call_and_all_or_nothing() {
+    let redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let sem = Semaphore::builder("combo")
+        .limit(2)
+        .build(backend.clone())
+        .unwrap();
+    let rate = limiter("combo-rate", 3, Duration::from_secs(3600), 3, backend);
+    drop(sem.try_acquire().await.unwrap()); // loads the script
+    sem.available_permits().await.unwrap();
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel();
+    let svc = tower::ServiceBuilder::new()
+        .layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .rate_limit(rate)
+                .reject_when_full(),
+        )
+        .service(gated(&gate, &entered_tx));
+    let holders = async || -> u64 {
+        redis
+            .conn()
+            .await
+            .zcard("dlimit:{combo}:holders")
+            .await
+            .unwrap()
+    };
+
+    let before = redis.evalsha_calls().await;
+    let first = tokio::spawn(svc.clone().oneshot(()));
+    entered.recv().await.unwrap();
+    assert_eq!(
+        redis.evalsha_calls().await - before,
+        1,
+        "permit and rate in one script call"
+    );
+    let second = tokio::spawn(svc.clone().oneshot(()));
+    entered.recv().await.unwrap();
+    // Full: refused for concurrency, so it must not spend the third unit of rate.
+    assert!(matches!(
+        refusal(svc.clone().oneshot(()).await),
+        Some(Error::Full)
+    ));
+    gate.add_permits(2);
+    first.await.unwrap().unwrap();
+    second.await.unwrap().unwrap();
+
+    let third = tokio::spawn(svc.clone().oneshot(()));
+    entered.recv().await.unwrap();
+    // The rate is spent now: refused, with no holder added beside the third request's.
+    match refusal(svc.clone().oneshot(()).await) {
+        Some(Error::RateLimited { retry_after }) => {
+            assert!(retry_after > Duration::from_secs(1000), "{retry_after:?}")
+        }
+        other => panic!("expected RateLimited, got {other:?}"),
+    }
+    assert_eq!(
+        holders().await,
+        1,
+        "the rate-refused request added a holder"
+    );
+    gate.add_permits(1);
+    third.await.unwrap().unwrap();
+}
+
+/// A request that waited in line spends its rate once granted (a second call), and gives the
+/// permit back when the rate refuses then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_granted_from_the_line_spends_its_rate_then() {
+    let redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let sem = Semaphore::builder("line")
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(10))
+        .build(backend.clone())
+        .unwrap();
+    let rate = limiter("line", 1, Duration::from_secs(3600), 1, backend);
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(10));
+    let (entered_tx, _entered) = tokio::sync::mpsc::unbounded_channel();
+    let svc = tower::ServiceBuilder::new()
+        .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).rate_limit(rate))
+        .service(gated(&gate, &entered_tx));
+    for round in 0..2 {
+        let held = sem.acquire().await.unwrap();
+        let request = tokio::spawn(svc.clone().oneshot(()));
+        support::eventually(Duration::from_secs(5), "the request to queue", || async {
+            redis.queue_len("line").await == 1
+        })
+        .await;
+        drop(held);
+        let result = tokio::time::timeout(Duration::from_secs(5), request)
+            .await
+            .expect("the waiter was served")
+            .unwrap();
+        if round == 0 {
+            result.expect("the first grant from the line fits the rate");
+        } else {
+            assert!(
+                matches!(refusal(result), Some(Error::RateLimited { .. })),
+                "the second is over the rate"
+            );
+        }
+    }
+    support::eventually(
+        Duration::from_secs(5),
+        "the refused request's permit back",
+        || async { sem.available_permits().await.unwrap() == 1 },
+    )
+    .await;
+}
+
+/// The limiter on another backend than the semaphore: two calls, still all or nothing; the
+/// HTTP flavour answers a rate refusal 429 with `Retry-After`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_combined_check_across_backends_and_its_http_answer() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("apart")
+        .limit(1)
+        .build(redis.backend().await)
+        .unwrap();
+    let rate = limiter(
+        "apart",
+        1,
+        Duration::from_secs(3600),
+        1,
+        MemoryBackend::new(),
+    );
+    let svc = tower::ServiceBuilder::new()
+        .layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .rate_limit(rate)
+                .reject_when_full()
+                .http(),
+        )
+        .service(service_fn(|_: http::Request<String>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::from("ok")))
+        }));
+    let request = || http::Request::new(String::new());
+    let held = sem.acquire().await.unwrap();
+    let full = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(full.status(), 503, "full: refused for concurrency");
+    drop(held);
+    support::eventually(Duration::from_secs(5), "the slot back", || async {
+        sem.available_permits().await.unwrap() == 1
+    })
+    .await;
+    let ok = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(
+        ok.status(),
+        200,
+        "the refusal for concurrency spent no rate"
+    );
+    drop(ok);
+    let limited = svc.clone().oneshot(request()).await.unwrap();
+    assert_eq!(limited.status(), 429);
+    let retry: u64 = limited.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry > 3000, "Retry-After: {retry}");
+    drop(limited);
+    support::eventually(
+        Duration::from_secs(5),
+        "the refused request's permit back",
+        || async { sem.available_permits().await.unwrap() == 1 },
+    )
+    .await;
 }

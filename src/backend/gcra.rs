@@ -9,7 +9,7 @@
 //! `1 / rate` µs: `tat = us + rem / rate`, `0 <= rem < rate`. Every comparison is made in those
 //! `1 / rate` µs units *relative to now*, so no product grows with the clock: the largest value
 //! is about `burst · period_µs`, which the builder keeps below 2^53, where Lua's doubles (and
-//! `i128` here) are exact. `lua/rate.lua` runs the very same steps on the Redis server's clock.
+//! `i128` here) are exact. `lua/gcra.lua` runs the very same steps on the Redis server's clock.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -92,7 +92,7 @@ pub(crate) struct Tat {
 
 impl Gcra {
     /// Decides a request of cost `n` at `now_us`, given the stored TAT: the decision, and the
-    /// TAT to store when it is allowed. The steps of `lua/rate.lua`, in `i128`.
+    /// TAT to store when it is allowed. The steps of `lua/gcra.lua`, in `i128`.
     pub(crate) fn decide(&self, stored: Option<Tat>, now_us: u64, n: u64) -> (RateDecision, Tat) {
         let (rate, period, burst) = (
             i128::from(self.rate),
@@ -142,6 +142,24 @@ fn micros_up(units: i128, rate: i128) -> Duration {
     Duration::from_micros(u64::try_from(us).unwrap_or(u64::MAX))
 }
 
+/// A rate limiter a store may decide in the same call as an acquire (see [`Store::combines`]):
+/// which backend connection holds it, its key there and its rate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RateKey {
+    /// The backend's identity (its shared connection's address): a store only combines with a
+    /// limiter on the very same connection.
+    pub(crate) backend: usize,
+    pub(crate) key: Arc<str>,
+    pub(crate) gcra: Gcra,
+}
+
+/// A rate limit to spend `cost` of, only if the acquire it goes with is granted at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Rated {
+    pub(crate) limiter: RateKey,
+    pub(crate) cost: u32,
+}
+
 /// One rate limiter opened on a backend. Public only in name, like [`Gcra`].
 pub struct OpenedRate {
     pub(crate) store: Arc<dyn RateStore>,
@@ -156,6 +174,12 @@ pub(crate) trait RateStore: Send + Sync + 'static {
         key: Option<&'a str>,
         n: u32,
     ) -> BoxFuture<'a, Result<RateDecision, Error>>;
+
+    /// The limiter itself (not a partition) as a semaphore's store may decide it in the same
+    /// call as an acquire; `None` where no store can.
+    fn combinable(&self) -> Option<RateKey> {
+        None
+    }
 }
 
 /// The rate limiters of one in-process backend: name → TAT. Entries whose TAT passed are

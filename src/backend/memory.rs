@@ -9,7 +9,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::gcra::{
-    Cells, Gcra, OpenedRate, RateBackend, RateDecision, RateStore, sealed::OpenRate,
+    Cells, Gcra, OpenedRate, RateBackend, RateDecision, RateStore, Rated, sealed::OpenRate,
 };
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
@@ -262,6 +262,8 @@ impl Store for MemorySemaphore {
         member: &'a Member,
         mode: Mode,
         _until: Option<Instant>,
+        // Never given: this store combines with no rate limiter (`Store::combines`).
+        _rate: Option<&'a Rated>,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
         let attempt = self.with(|permits, now, fence| {
             if mode == Mode::Recheck
@@ -409,7 +411,7 @@ impl Refresh for MemorySemaphore {
     }
 }
 
-// ---- Rate limiters (issue 13): the same GCRA as `lua/rate.lua`, on this backend's clock. ----
+// ---- Rate limiters (issue 13): the same GCRA as `lua/gcra.lua`, on this backend's clock. ----
 
 impl RateBackend for MemoryBackend {}
 

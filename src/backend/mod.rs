@@ -15,7 +15,7 @@ pub use self::quorum::{QuorumBackend, QuorumBackendBuilder};
 pub use self::redis::{RedisBackend, RedisBackendBuilder};
 pub(crate) use self::store::{Attempt, Member, Mode, Opened, Store, sealed};
 // The rate limiter's side: see gcra.rs.
-pub(crate) use self::gcra::{EXACT, Gcra, RateStore};
+pub(crate) use self::gcra::{EXACT, Gcra, RateKey, RateStore, Rated};
 pub use self::gcra::{RateBackend, RateDecision};
 
 /// A store of distributed permits: [`RedisBackend`] across processes and machines,

@@ -61,6 +61,7 @@ use redis::{Client, IntoConnectionInfo, ProtocolVersion, PushInfo, RedisResult, 
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
+use super::gcra::Rated;
 use super::redis::{Channels, Pushes, manager_config, on_push, subscriber};
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
@@ -541,6 +542,8 @@ impl Store for QuorumSemaphore {
         member: &'a Member,
         mode: Mode,
         _until: Option<Instant>,
+        // Never given: this store combines with no rate limiter (`Store::combines`).
+        _rate: Option<&'a Rated>,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
         Box::pin(async move {
             let sent = Instant::now();

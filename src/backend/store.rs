@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::Error;
+use crate::backend::gcra::{RateKey, Rated};
 use crate::snapshot::Snapshot;
 use crate::sync::BoxFuture;
 use crate::waitlist::{ClockReading, Refresh, Waitlist};
@@ -99,6 +100,9 @@ pub(crate) enum Attempt {
     Full,
     /// The member is heavier than the limit every process admits by now.
     TooHeavy { limit: u32 },
+    /// It would have been granted at once, but the rate limit decided with it refused: nothing
+    /// was added and nothing spent. The same request fits the rate after `retry_after`.
+    RateLimited { retry_after: Duration },
 }
 
 /// The permits of one semaphore in one backend.
@@ -106,12 +110,24 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
     /// Adds `member` as a holder if it fits and nobody waits; otherwise queues it or
     /// answers [`Attempt::Full`], as `mode` says. A backend that is loading or busy is asked
     /// again until `until` (or its call timeout when `None`).
+    ///
+    /// With `rate` (only ever one this store [`combines`](Self::combines) with), a member that
+    /// fits at once is granted only if the rate limit allows its cost, spent in the same call;
+    /// a queued member spends nothing.
     fn acquire<'a>(
         &'a self,
         member: &'a Member,
         mode: Mode,
         until: Option<Instant>,
+        rate: Option<&'a Rated>,
     ) -> BoxFuture<'a, Result<Attempt, Error>>;
+
+    /// Whether [`acquire`](Self::acquire) can decide the rate limiter `rate` in the same call:
+    /// it lives in the same backend, where one atomic call reaches both.
+    fn combines(&self, rate: &RateKey) -> bool {
+        let _ = rate;
+        false
+    }
 
     /// Removes the holder or waiter (absent is not an error) and admits whoever now fits.
     fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>>;

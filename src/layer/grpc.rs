@@ -8,14 +8,15 @@ use tonic::{Code, Status};
 use super::body::ResponseBody;
 use crate::Error;
 
-/// A full semaphore is `RESOURCE_EXHAUSTED`; a bad partition key or a request heavier than the
+/// A full semaphore or a spent rate limit is `RESOURCE_EXHAUSTED`; a bad partition key or a request heavier than the
 /// limit `INVALID_ARGUMENT`; a lost lease `ABORTED`; a failing backend `UNAVAILABLE` (worth a
 /// retry later).
 pub(crate) fn code(error: &Error) -> Code {
     match error {
-        Error::Full | Error::Timeout { .. } | Error::TooManyWaiters { .. } => {
-            Code::ResourceExhausted
-        }
+        Error::Full
+        | Error::Timeout { .. }
+        | Error::TooManyWaiters { .. }
+        | Error::RateLimited { .. } => Code::ResourceExhausted,
         Error::BadKey(_) | Error::Config(_) => Code::InvalidArgument,
         Error::LeaseLost => Code::Aborted,
         _ => Code::Unavailable,

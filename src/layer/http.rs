@@ -11,6 +11,7 @@ use crate::Error;
 
 const DEFAULT_BODY: &str = "the service is at its concurrency limit; retry later\n";
 const BAD_KEY_BODY: &str = "the request's partition key is missing or invalid\n";
+const RATE_LIMITED_BODY: &str = "rate limit reached; retry after the time in Retry-After\n";
 
 /// `RateLimit-Policy`, from the IETF httpapi ratelimit-headers draft.
 pub(crate) const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -76,6 +77,11 @@ impl HttpSettings {
                 Bytes::from_static(BAD_KEY_BODY.as_bytes()),
                 None,
             ),
+            Error::RateLimited { retry_after } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                Bytes::from_static(RATE_LIMITED_BODY.as_bytes()),
+                Some(*retry_after),
+            ),
             _ => (self.status, self.body.clone(), self.retry_after),
         };
         let mut response = Response::new(ResponseBody::refusal(body));
@@ -100,7 +106,7 @@ fn policy(limit: u32) -> HeaderValue {
 }
 
 /// Whole seconds, rounded up so a client never comes back before the hint.
-fn retry_after_secs(after: Duration) -> u64 {
+pub(crate) fn retry_after_secs(after: Duration) -> u64 {
     after.as_secs() + u64::from(after.subsec_nanos() > 0)
 }
 

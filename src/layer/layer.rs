@@ -124,6 +124,7 @@ impl<K> DistributedConcurrencyLimitLayer<Plain, K> {
                 wait: true,
                 abort_on_lost: false,
                 reserve: None,
+                rate: None,
             },
             flavour: Plain,
         }
@@ -179,6 +180,46 @@ impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
     /// ```
     pub fn abort_when_lease_lost(mut self) -> Self {
         self.limiter.abort_on_lost = true;
+        self
+    }
+
+    /// Also cap how many requests *start* per period: each request needs a permit and its
+    /// weight of `rate`, all or nothing. A request refused for concurrency spends no rate; one
+    /// refused for rate keeps no permit and gets [`Error::RateLimited`](crate::Error::RateLimited)
+    /// (429 with `Retry-After` in the HTTP flavour, `RESOURCE_EXHAUSTED` in the gRPC one).
+    ///
+    /// When the semaphore and the limiter live on the same [`RedisBackend`](crate::RedisBackend)
+    /// (one node, Sentinel's master, or the same Cluster slot: give both the same name), a
+    /// request that gets its permit at once is decided in **one** script call. A request that
+    /// waited in line, or one whose limiter is elsewhere, spends its rate in a second call
+    /// once its permit is granted, and gives the permit back if the rate refuses. Stacking
+    /// [`DistributedRateLimitLayer`](crate::DistributedRateLimitLayer) in front works too, but
+    /// spends rate on requests the concurrency limit then refuses.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Error, MemoryBackend, RateLimiter, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+    /// // In production: one RedisBackend::connect("redis://...").await? for both.
+    /// let backend = MemoryBackend::new();
+    /// let sem = Semaphore::builder("search").limit(10).build(backend.clone())?;
+    /// let rate = RateLimiter::builder("search")
+    ///     .rate(1, Duration::from_secs(60))
+    ///     .burst(1)
+    ///     .build(backend)?;
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).rate_limit(rate))
+    ///     .service(service_fn(|q: &'static str| async move { Ok::<_, tower::BoxError>(q) }));
+    /// assert_eq!(svc.clone().oneshot("first").await?, "first");
+    /// let err = svc.oneshot("second").await.unwrap_err();
+    /// assert!(matches!(err.downcast_ref::<Error>(), Some(Error::RateLimited { .. })));
+    /// assert_eq!(sem.available_permits().await?, 10); // the refused request kept no permit
+    /// # Ok(()) }
+    /// ```
+    pub fn rate_limit(mut self, rate: crate::RateLimiter) -> Self {
+        self.limiter.rate = Some(rate);
         self
     }
 
@@ -258,6 +299,7 @@ impl<F, K> DistributedConcurrencyLimitLayer<F, K, Unweighted> {
             wait,
             abort_on_lost,
             reserve,
+            rate,
             weigh: Unweighted,
         } = self.limiter;
         DistributedConcurrencyLimitLayer {
@@ -267,6 +309,7 @@ impl<F, K> DistributedConcurrencyLimitLayer<F, K, Unweighted> {
                 wait,
                 abort_on_lost,
                 reserve,
+                rate,
             },
             flavour: self.flavour,
         }
@@ -312,6 +355,7 @@ impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
             source,
             wait,
             abort_on_lost,
+            rate,
             weigh: Unweighted,
             ..
         } = self.limiter;
@@ -322,6 +366,7 @@ impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
                 weigh: InPollReady,
                 wait,
                 abort_on_lost,
+                rate,
             },
             flavour: self.flavour,
         }

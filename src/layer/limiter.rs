@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::{Error, Permit, Semaphore};
+use crate::{Error, Permit, RateLimiter, Semaphore};
 
 /// Picks the semaphore a request counts against: a [`Semaphore`] for every request, or
 /// [`Partitions`](super::Partitions) by the request's key.
@@ -102,6 +102,8 @@ pub(crate) struct Limiter<K, W> {
     pub(crate) abort_on_lost: bool,
     /// The semaphore whose permit is reserved in `poll_ready`, if the layer does so.
     pub(crate) reserve: Option<Semaphore>,
+    /// A rate limit decided with each permit, all or nothing (`rate_limit`).
+    pub(crate) rate: Option<RateLimiter>,
 }
 
 type Pending = Pin<Box<dyn Future<Output = Result<Permit, Error>> + Send>>;
@@ -115,14 +117,47 @@ pub(crate) enum Acquire {
 
 impl Acquire {
     /// Waits for `weight` permits of `semaphore`, or makes one attempt when `wait` is false.
-    pub(crate) fn start(semaphore: Semaphore, weight: u32, wait: bool) -> Self {
+    pub(crate) fn start(
+        semaphore: Semaphore,
+        weight: u32,
+        wait: bool,
+        rate: Option<RateLimiter>,
+    ) -> Self {
         Acquire::Later(Box::pin(async move {
-            if wait {
-                return semaphore.acquire_many(weight).await;
+            match rate {
+                None if wait => semaphore.acquire_many(weight).await,
+                None => semaphore.try_acquire_many(weight).await?.ok_or(Error::Full),
+                Some(rate) => with_rate(&semaphore, weight, wait, &rate).await,
             }
-            semaphore.try_acquire_many(weight).await?.ok_or(Error::Full)
         }))
     }
+}
+
+/// A permit and `weight` of the rate limit, all or nothing: a request refused for concurrency
+/// spends no rate, one refused for rate keeps no permit.
+///
+/// Where the semaphore's backend reaches the limiter in the same call (one Redis node, or the
+/// same Cluster slot), a permit granted at once spends the rate in that very call. Otherwise
+/// (a grant from the line, the outage policy's permit, different backends) the rate is checked
+/// once the permit is held, and a refusal gives the permit back at once.
+async fn with_rate(
+    semaphore: &Semaphore,
+    weight: u32,
+    wait: bool,
+    rate: &RateLimiter,
+) -> Result<Permit, Error> {
+    let permit = semaphore.acquire_rated(weight, wait, rate).await?;
+    if permit.rate_spent() {
+        return Ok(permit);
+    }
+    let decision = rate.check_n(weight).await?;
+    if decision.allowed {
+        return Ok(permit);
+    }
+    drop(permit);
+    Err(Error::RateLimited {
+        retry_after: decision.retry_after.unwrap_or_default(),
+    })
 }
 
 impl Future for Acquire {
@@ -166,7 +201,11 @@ impl<K, W> Limiter<K, W> {
             Ok(semaphore) => {
                 let limit = semaphore.limit();
                 let weight = self.weigh.weigh(request);
-                (Acquire::start(semaphore, weight, self.wait), Some(limit))
+                let rate = self.rate.clone();
+                (
+                    Acquire::start(semaphore, weight, self.wait, rate),
+                    Some(limit),
+                )
             }
             Err(e) => (Acquire::Now(Some(Err(e))), None),
         }

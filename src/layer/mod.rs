@@ -43,8 +43,8 @@ mod extract;
 mod flavour;
 pub mod future;
 #[cfg(feature = "tonic")]
-mod grpc;
-mod http;
+pub(crate) mod grpc;
+pub(crate) mod http;
 mod key;
 mod layer;
 mod limiter;

@@ -8,7 +8,7 @@ use std::task::{Context, Poll, ready};
 use sync_wrapper::SyncWrapper;
 
 use super::limiter::Acquire;
-use crate::{Error, Permit, Semaphore};
+use crate::{Error, Permit, RateLimiter, Semaphore};
 
 /// The reservation of one service: nothing, a wait in line, or its outcome, handed to the
 /// next `call`. A clone starts with nothing; dropping it drops the permit or leaves the line,
@@ -42,14 +42,15 @@ impl Reservation {
         &mut self,
         semaphore: &Semaphore,
         wait: bool,
+        rate: Option<&RateLimiter>,
         cx: &mut Context<'_>,
     ) -> Poll<()> {
         if self.outcome.is_some() {
             return Poll::Ready(());
         }
-        let pending = self
-            .pending
-            .get_or_insert_with(|| SyncWrapper::new(Acquire::start(semaphore.clone(), 1, wait)));
+        let pending = self.pending.get_or_insert_with(|| {
+            SyncWrapper::new(Acquire::start(semaphore.clone(), 1, wait, rate.cloned()))
+        });
         let outcome = ready!(Pin::new(pending.get_mut()).poll(cx));
         self.pending = None;
         self.outcome = Some(outcome);

@@ -114,10 +114,12 @@ impl<S, F, K, W> DistributedConcurrencyLimit<S, F, K, W> {
         S: Service<R>,
     {
         if let Some(semaphore) = &self.limiter.reserve {
-            ready!(
-                self.reservation
-                    .poll_reserve(semaphore, self.limiter.wait, cx)
-            );
+            ready!(self.reservation.poll_reserve(
+                semaphore,
+                self.limiter.wait,
+                self.limiter.rate.as_ref(),
+                cx
+            ));
         }
         self.inner.poll_ready(cx)
     }

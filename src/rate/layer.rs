@@ -14,6 +14,7 @@ use super::limiter::RateLimiter;
 use crate::Error;
 use crate::backend::RateDecision;
 use crate::layer::body::ResponseBody;
+use crate::layer::http::retry_after_secs;
 use crate::layer::{PartitionKey, Plain, Unweighted, Weigh};
 use crate::sync::BoxFuture;
 
@@ -378,7 +379,7 @@ impl RateHttp {
         }
         #[cfg(feature = "tonic")]
         if self.grpc {
-            return grpc(error);
+            return crate::layer::grpc::response(error);
         }
         let (status, body) = match &error {
             Error::RateLimited { .. } => (StatusCode::TOO_MANY_REQUESTS, self.body.clone()),
@@ -404,7 +405,7 @@ impl RateHttp {
             _ => None,
         };
         if let Some(after) = retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(seconds_up(after)));
+            headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
         }
         if let Some(decision) = decision.filter(|_| self.headers) {
             insert_headers(headers, limiter, decision);
@@ -413,25 +414,12 @@ impl RateHttp {
     }
 }
 
-#[cfg(feature = "tonic")]
-fn grpc<B>(error: Error) -> Response<ResponseBody<B>> {
-    use tonic::{Code, Status};
-    let code = match &error {
-        Error::RateLimited { .. } => Code::ResourceExhausted,
-        Error::BadKey(_) | Error::Config(_) => Code::InvalidArgument,
-        _ => Code::Unavailable,
-    };
-    Status::new(code, error.to_string())
-        .into_http::<()>()
-        .map(|()| ResponseBody::refusal(Bytes::new()))
-}
-
 /// `RateLimit-Policy: "<name>";q=<quota>;w=<window s>` and
 /// `RateLimit: "<name>";r=<remaining>;t=<s until retry, or until full again>`.
 fn insert_headers(headers: &mut http::HeaderMap, limiter: &RateLimiter, decision: &RateDecision) {
     let name = policy_name(limiter.name());
     let (quota, window) = quota_window(limiter.rate(), limiter.period());
-    let t = seconds_up(decision.retry_after.unwrap_or(decision.reset_after));
+    let t = retry_after_secs(decision.retry_after.unwrap_or(decision.reset_after));
     let policy = format!("\"{name}\";q={quota};w={window}");
     let state = format!("\"{name}\";r={};t={t}", decision.remaining);
     if let (Ok(policy), Ok(state)) = (HeaderValue::try_from(policy), HeaderValue::try_from(state)) {
@@ -465,11 +453,6 @@ fn quota_window(rate: u32, period: Duration) -> (u64, u64) {
     }
     let per_second = (u128::from(rate) * 1_000_000_000 / period.as_nanos().max(1)).max(1);
     (u64::try_from(per_second).unwrap_or(u64::MAX), 1)
-}
-
-/// Whole seconds, rounded up, so a client never comes back before the hint.
-fn seconds_up(after: Duration) -> u64 {
-    after.as_secs() + u64::from(after.subsec_nanos() > 0)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::backend::{EXACT, Gcra, RateBackend, RateDecision, RateStore};
+use crate::backend::{EXACT, Gcra, RateBackend, RateDecision, RateKey, RateStore};
 use crate::outage::OutagePolicy;
 use crate::{Error, MemoryBackend};
 
@@ -194,6 +194,11 @@ impl RateLimiterBuilder {
 }
 
 impl RateLimiter {
+    /// The limiter as a semaphore's backend may decide it with an acquire, in one call.
+    pub(crate) fn combinable(&self) -> Option<RateKey> {
+        self.inner.store.combinable()
+    }
+
     /// Starts the settings of the limiter called `name`: every process that uses the same
     /// name on the same backend shares one rate.
     pub fn builder(name: impl Into<String>) -> RateLimiterBuilder {

@@ -10,6 +10,7 @@
 -- KEYS[3] queue:   zset, member -> arrival (µs): who waits, oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
+-- KEYS[6] (acquire only, optional) a rate limiter's key, decided with the acquires
 -- A member is "<holder id>:<weight>:<lease ms>". All keys share one hash tag (one Cluster
 -- slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
 -- when nothing is held past that horizon); queue and alive expire with the latest waiter
@@ -18,10 +19,14 @@
 -- ARGV: operation, channel, its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
 -- patience ms, claim ms, k, then k members to release
 -- (holders or waiters; absent ones are ignored), then the operation's arguments:
---   acquire (<member> <once|join|recheck>)...
+--   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
 --       -> per member, in order: {1, token, left µs, limit} granted
 --          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
---          (`limit`: the limit in force); a member also released by this call is not added
+--          | {4, retry µs, limit} refused by the rate limit (nothing added, nothing spent)
+--          (`limit`: the limit in force); a member also released by this call is not added.
+--          With KEYS[6] (a rate limiter's key, `gcra` of lua/gcra.lua) and rate > 0, a member
+--          that would be granted at once is granted only if the rate allows its cost, spent
+--          in the same call; one that queues spends nothing
 --   release                      -> how many of the k members held or waited
 --   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
 --                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
@@ -268,9 +273,12 @@ if op == 'acquire' then
   for i = 8, args - 1 do
     cancelled[ARGV[i]] = true
   end
+  -- A rate limit (KEYS[6]) decided with each acquire that would be granted at once.
+  local rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
+  local rated = KEYS[6] ~= nil and rate > 0
   reply = {}
-  for i = args, #ARGV - 1, 2 do
-    local member, mode = ARGV[i], ARGV[i + 1]
+  for i = args + 3, #ARGV - 2, 3 do
+    local member, mode, cost = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
     local state, token, rest = 0, 0, 0
     if mode == 'recheck' then
       state, token, rest = status(member)
@@ -285,10 +293,19 @@ if op == 'acquire' then
     elseif cancelled[member] then
       answer = {0, 0, now_us, limit}
     elseif waiting == 0 and used + parse(member) <= limit then
-      local _, lease = parse(member)
-      local deadline
-      token, deadline = grant(member, lease)
-      answer = {1, token, left(deadline), limit}
+      local allowed, retry_us = true, 0
+      if rated and cost > 0 then
+        local _
+        allowed, _, retry_us = gcra(KEYS[6], rate, period, burst, cost, now_us)
+      end
+      if allowed then
+        local _, lease = parse(member)
+        local deadline
+        token, deadline = grant(member, lease)
+        answer = {1, token, left(deadline), limit}
+      else
+        answer = {4, retry_us, limit}
+      end
     elseif mode ~= 'once' then
       redis.call('ZADD', queue, now_us, member)
       waiting = 1

@@ -108,6 +108,11 @@ impl Conn {
         }
     }
 
+    /// Keys live on several nodes: a call reaches only those of one slot.
+    pub(super) fn is_cluster(&self) -> bool {
+        matches!(self, Conn::Cluster(_))
+    }
+
     /// The command that announces a grant: on a cluster, sharded pub/sub (`SPUBLISH`), which
     /// routes by slot like the keys, so a grant travels only to the node that owns the
     /// semaphore instead of being broadcast to every node.

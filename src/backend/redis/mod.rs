@@ -25,6 +25,7 @@ use redis::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
+use super::gcra::{RateKey, Rated};
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
 use crate::snapshot::{Holder, Snapshot};
@@ -32,7 +33,10 @@ use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{CLAIM, ClockReading, Hub, PATIENCE, Refresh, Status, Until, Waitlist};
 
 /// Every operation on a semaphore, in one script.
-static SEMAPHORE: Lua = Lua::new(include_str!("../lua/semaphore.lua"));
+static SEMAPHORE: Lua = Lua::new(concat!(
+    include_str!("../lua/gcra.lua"),
+    include_str!("../lua/semaphore.lua")
+));
 
 /// A Lua script, sent by SHA once the server knows it.
 struct Lua {
@@ -664,6 +668,19 @@ impl Open for RedisBackend {
     }
 }
 
+/// The part of `key` Redis Cluster hashes to pick its slot: the first `{...}` if not empty,
+/// else the whole key.
+fn slot_tag(key: &str) -> &str {
+    key.find('{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.find('}')
+                .filter(|&close| close > 0)
+                .map(|close| &rest[..close])
+        })
+        .unwrap_or(key)
+}
+
 /// `{name}`: a hash tag that keeps every key of the semaphore in one Cluster slot, whatever the
 /// name. `%`, `{` and `}` are percent-encoded, so no name can end the tag early (`}` first would
 /// make it empty, and Redis would hash each key whole) or share keys with another name.
@@ -714,6 +731,7 @@ struct Outbox {
 struct Queued {
     member: Arc<str>,
     mode: Mode,
+    rate: Option<Rated>,
     until: Option<Instant>,
     /// Dropped unanswered (no runtime left to send it): the caller sends it itself.
     reply: oneshot::Sender<Result<Attempt, Error>>,
@@ -737,6 +755,7 @@ impl RedisSemaphore {
     async fn run(
         &self,
         op: &'static str,
+        rate_key: Option<&str>,
         releasing: Option<&Member>,
         until: Option<Instant>,
         args: impl Fn(&mut Cmd, bool),
@@ -760,8 +779,12 @@ impl RedisSemaphore {
             replicas,
             |command, repeat| {
                 command
-                    .arg(self.keys.len())
-                    .arg(&self.keys[..])
+                    .arg(self.keys.len() + usize::from(rate_key.is_some()))
+                    .arg(&self.keys[..]);
+                if let Some(key) = rate_key {
+                    command.arg(key);
+                }
+                command
                     .arg(op)
                     .arg(&self.channel)
                     .arg(self.shared.conn.publisher())
@@ -827,7 +850,7 @@ impl RedisSemaphore {
             }
         }
         // `run` logs a failure; the leases are the fallback.
-        let _ = self.run("release", None, None, |_, _| {}).await;
+        let _ = self.run("release", None, None, None, |_, _| {}).await;
     }
 
     /// Makes sure a flush task will send the waiting releases, unless one is already due to.
@@ -863,6 +886,7 @@ impl RedisSemaphore {
         member: &Member,
         mode: Mode,
         until: Option<Instant>,
+        rate: Option<&Rated>,
     ) -> Result<Attempt, Error> {
         loop {
             let waiting = {
@@ -872,6 +896,7 @@ impl RedisSemaphore {
                     outbox.acquires.push(Queued {
                         member: member.text.clone(),
                         mode,
+                        rate: rate.cloned(),
                         until,
                         reply,
                     });
@@ -889,7 +914,11 @@ impl RedisSemaphore {
                 },
                 None => {
                     let mut sending = Sending::new(self);
-                    let attempts = self.acquire_all(&[(&*member.text, mode)], until).await;
+                    let limiter = rate.map(|rate| &rate.limiter);
+                    let cost = rate.map_or(0, |rate| rate.cost);
+                    let attempts = self
+                        .acquire_all(&[(&*member.text, mode, cost)], limiter, until)
+                        .await;
                     sending.answered = true;
                     return attempts?.pop().ok_or_else(|| {
                         Error::backend("the acquire call answered no member", None)
@@ -901,14 +930,38 @@ impl RedisSemaphore {
 
     /// Sends the acquires queued behind the call that `sending` was for.
     async fn send_queued(mut sending: Sending<Arc<RedisSemaphore>>) {
+        // The oldest queued acquires that go with the same rate limiter (or none), in order.
         let queued: Vec<Queued> = {
             let mut outbox = sending.semaphore.outbox();
-            let take = outbox.acquires.len().min(BATCH);
+            let limiter = |q: &Queued| q.rate.as_ref().map(|rate| rate.limiter.clone());
+            let first = outbox.acquires.first().and_then(limiter);
+            let take = outbox
+                .acquires
+                .iter()
+                .take(BATCH)
+                .take_while(|q| limiter(q) == first)
+                .count();
             outbox.acquires.drain(..take).collect()
         };
-        let members: Vec<(&str, Mode)> = queued.iter().map(|q| (&*q.member, q.mode)).collect();
+        let limiter = queued
+            .first()
+            .and_then(|q| q.rate.as_ref())
+            .map(|rate| &rate.limiter);
+        let members: Vec<(&str, Mode, u32)> = queued
+            .iter()
+            .map(|q| {
+                (
+                    &*q.member,
+                    q.mode,
+                    q.rate.as_ref().map_or(0, |rate| rate.cost),
+                )
+            })
+            .collect();
         let until = queued.iter().map(|q| q.until).max().flatten();
-        let attempts = sending.semaphore.acquire_all(&members, until).await;
+        let attempts = sending
+            .semaphore
+            .acquire_all(&members, limiter, until)
+            .await;
         sending.answered = true;
         match attempts {
             Ok(attempts) => {
@@ -956,24 +1009,39 @@ impl RedisSemaphore {
         }
     }
 
-    /// One acquire call for `members` (each with its mode), answered in order.
+    /// One acquire call for `members` (each with its mode, and the cost it spends of `rate`
+    /// if granted at once), answered in order.
     async fn acquire_all(
         &self,
-        members: &[(&str, Mode)],
+        members: &[(&str, Mode, u32)],
+        rate: Option<&RateKey>,
         until: Option<Instant>,
     ) -> Result<Vec<Attempt>, Error> {
         let sent = Instant::now();
         let reply = self
-            .run("acquire", None, until, |script, repeat| {
-                for &(member, mode) in members {
-                    let mode = if repeat && mode == Mode::Join {
-                        Mode::Recheck
-                    } else {
-                        mode
+            .run(
+                "acquire",
+                rate.map(|rate| &*rate.key),
+                None,
+                until,
+                |script, repeat| {
+                    match rate {
+                        Some(rate) => script
+                            .arg(rate.gcra.rate)
+                            .arg(rate.gcra.period_us)
+                            .arg(rate.gcra.burst),
+                        None => script.arg(0).arg(0).arg(0),
                     };
-                    script.arg(member).arg(mode_word(mode));
-                }
-            })
+                    for &(member, mode, cost) in members {
+                        let mode = if repeat && mode == Mode::Join {
+                            Mode::Recheck
+                        } else {
+                            mode
+                        };
+                        script.arg(member).arg(mode_word(mode)).arg(cost);
+                    }
+                },
+            )
             .await?;
         let answers = match &reply {
             Value::Array(answers) if answers.len() == members.len() => answers,
@@ -1009,6 +1077,9 @@ impl RedisSemaphore {
                 },
             }),
             Some(&[0, _, _, _]) => Ok(Attempt::Full),
+            Some(&[4, retry_us, _]) => Ok(Attempt::RateLimited {
+                retry_after: micros(retry_us).ok_or_else(|| unexpected(reply))?,
+            }),
             _ => Err(unexpected(reply)),
         }
     }
@@ -1086,13 +1157,23 @@ impl Store for RedisSemaphore {
         member: &'a Member,
         mode: Mode,
         until: Option<Instant>,
+        rate: Option<&'a Rated>,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
-        Box::pin(self.acquire_batched(member, mode, until))
+        Box::pin(self.acquire_batched(member, mode, until, rate))
+    }
+
+    fn combines(&self, rate: &RateKey) -> bool {
+        // One call reaches both keys: the same connection, and on a cluster the same slot.
+        rate.backend == Arc::as_ptr(&self.shared) as usize
+            && (!self.shared.conn.is_cluster() || slot_tag(&rate.key) == slot_tag(&self.keys[0]))
     }
 
     fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
-            match self.run("release", Some(member), None, |_, _| {}).await? {
+            match self
+                .run("release", None, Some(member), None, |_, _| {})
+                .await?
+            {
                 Value::Int(_) => Ok(()),
                 other => Err(unexpected(&other)),
             }
@@ -1118,7 +1199,7 @@ impl Store for RedisSemaphore {
             // Batches keep each script call short, however many permits this process holds.
             for batch in members.chunks(BATCH) {
                 let reply = self
-                    .run("renew", None, None, |script, _| {
+                    .run("renew", None, None, None, |script, _| {
                         for member in batch {
                             script.arg(&*member.text);
                         }
@@ -1137,7 +1218,7 @@ impl Store for RedisSemaphore {
 
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
         Box::pin(async move {
-            match self.run("used", None, None, |_, _| {}).await? {
+            match self.run("used", None, None, None, |_, _| {}).await? {
                 Value::Int(used) => Ok(u32::try_from(used.max(0)).unwrap_or(u32::MAX)),
                 other => Err(unexpected(&other)),
             }
@@ -1150,7 +1231,7 @@ impl Store for RedisSemaphore {
 
     fn snapshot(&self) -> BoxFuture<'_, Result<Snapshot, Error>> {
         Box::pin(async move {
-            let reply = self.run("snapshot", None, None, |_, _| {}).await?;
+            let reply = self.run("snapshot", None, None, None, |_, _| {}).await?;
             parse_snapshot(&reply).ok_or_else(|| unexpected(&reply))
         })
     }
@@ -1158,7 +1239,7 @@ impl Store for RedisSemaphore {
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
         Box::pin(async move {
             match self
-                .run("set_limit", None, None, |script, _| {
+                .run("set_limit", None, None, None, |script, _| {
                     script.arg(limit);
                 })
                 .await?
@@ -1172,7 +1253,7 @@ impl Store for RedisSemaphore {
     fn evict<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, Error>> {
         Box::pin(async move {
             match self
-                .run("evict", None, None, |script, _| {
+                .run("evict", None, None, None, |script, _| {
                     script.arg(id);
                 })
                 .await?
@@ -1195,7 +1276,7 @@ impl Refresh for RedisSemaphore {
             let mut retry_in = PATIENCE;
             for batch in members.chunks(BATCH) {
                 let reply = self
-                    .run("touch", None, Some(until), |script, _| {
+                    .run("touch", None, None, Some(until), |script, _| {
                         for member in batch {
                             script.arg(&**member);
                         }

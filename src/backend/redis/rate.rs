@@ -1,6 +1,6 @@
 //! Rate limiters in Redis: one key per limiter (or partition), `<prefix>{name}:rate`, under the
 //! same hash tag as a semaphore of that name, so both sit on one Cluster node. Every check is
-//! one call of `lua/rate.lua`, by SHA (with the source on `NOSCRIPT`).
+//! one call of `lua/rate.lua` (with `lua/gcra.lua`), by SHA (with the source on `NOSCRIPT`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,12 +11,15 @@ use tokio::time::Instant;
 use super::{Connection, Lua, RedisBackend, hash_tag, invoke, redis_error};
 use crate::Error;
 use crate::backend::gcra::{
-    Gcra, OpenedRate, RateBackend, RateDecision, RateStore, sealed::OpenRate,
+    Gcra, OpenedRate, RateBackend, RateDecision, RateKey, RateStore, sealed::OpenRate,
 };
 use crate::sync::BoxFuture;
 
 /// One GCRA check, in one script.
-static RATE: Lua = Lua::new(include_str!("../lua/rate.lua"));
+static RATE: Lua = Lua::new(concat!(
+    include_str!("../lua/gcra.lua"),
+    include_str!("../lua/rate.lua")
+));
 
 impl RateBackend for RedisBackend {}
 
@@ -91,6 +94,14 @@ impl RateStore for RedisRate {
                     None,
                 )
             })
+        })
+    }
+
+    fn combinable(&self) -> Option<RateKey> {
+        Some(RateKey {
+            backend: Arc::as_ptr(&self.shared) as usize,
+            key: self.key.as_str().into(),
+            gcra: self.gcra,
         })
     }
 }
