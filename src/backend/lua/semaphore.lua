@@ -57,7 +57,8 @@ local time = redis.call('TIME')
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local now = math.floor(now_us / 1000)
 
--- Lua numbers are doubles: format integers explicitly so Redis never sees "1.7e+15".
+-- Lua numbers are doubles, and `tostring` writes 1.7e+15: integers joined into a text are
+-- formatted explicitly. (Numbers passed to redis.call are sent as exact integers, %.17g.)
 local function int(n)
   return string.format('%.0f', n)
 end
@@ -130,12 +131,12 @@ local function cover(lease)
   end
 end
 
--- Adds a holder for `term` ms (at most its lease); returns its token and deadline.
-local function grant(member, term)
-  local weight, lease = parse(member)
+-- Adds a holder (of `weight`, with `lease`, parsed from `member`) for `term` ms (at most its
+-- lease); returns its token and deadline.
+local function grant(member, weight, lease, term)
   local deadline = now + math.min(term, lease)
   redis.call('ZADD', holders, deadline, member)
-  redis.call('HSET', since, member, int(now))
+  redis.call('HSET', since, member, now)
   used = used + weight
   count = count + 1
   -- Strictly increasing; the server time in µs as a floor keeps the token above every token
@@ -214,14 +215,18 @@ if waiting > 0 then
       redis.call('ZREM', alive, member)
       member = redis.call('ZRANGE', queue, 0, 0)[1]
     end
-    if not member or used + parse(member) > limit then
+    local weight, lease = 0, 0
+    if member then
+      weight, lease = parse(member)
+    end
+    if not member or used + weight > limit then
       waiting = member and 1 or 0
       break
     end
     redis.call('ZREM', queue, member)
     if redis.call('ZREM', alive, member) == 1 then
-      local _, lease = parse(member)
-      local token, deadline = grant(member, math.min(claim, math.max(math.floor(lease / 2), 1)))
+      local term = math.min(claim, math.max(math.floor(lease / 2), 1))
+      local token, deadline = grant(member, weight, lease, term)
       granted[member] = token
       redis.call(publisher, channel, member .. ' ' .. int(token) .. ' ' .. int(deadline))
     end
@@ -279,12 +284,13 @@ if op == 'acquire' then
   reply = {}
   for i = args + 3, #ARGV - 2, 3 do
     local member, mode, cost = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+    local weight, lease = parse(member)
     local state, token, rest = 0, 0, 0
     if mode == 'recheck' then
       state, token, rest = status(member)
     end
     local answer
-    if state ~= 1 and parse(member) > limit then
+    if state ~= 1 and weight > limit then
       answer = {3, limit}
     elseif state == 1 then
       answer = {1, token, rest, limit}
@@ -292,16 +298,15 @@ if op == 'acquire' then
       answer = {2, 0, now_us, limit}
     elseif cancelled[member] then
       answer = {0, 0, now_us, limit}
-    elseif waiting == 0 and used + parse(member) <= limit then
+    elseif waiting == 0 and used + weight <= limit then
       local allowed, retry_us = true, 0
       if rated and cost > 0 then
         local _
         allowed, _, retry_us = gcra(KEYS[6], rate, period, burst, cost, now_us)
       end
       if allowed then
-        local _, lease = parse(member)
         local deadline
-        token, deadline = grant(member, lease)
+        token, deadline = grant(member, weight, lease, lease)
         answer = {1, token, left(deadline), limit}
       else
         answer = {4, retry_us, limit}
@@ -366,8 +371,19 @@ if changed then
     -- the lost counter). Otherwise meta, with the limit in force, lives until the horizon.
     redis.call('DEL', meta)
   else
-    redis.call('HSET', meta, 'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence),
-      'horizon', int(horizon), 'limit', int(limit), 'pinned', pinned and '1' or '0')
+    -- The fields that change on every grant and release, and the rest only when they did.
+    local fields = {'used', math.max(used, 0), 'count', count, 'fence', fence}
+    if horizon ~= tonumber(stored[4]) then
+      table.insert(fields, 'horizon')
+      table.insert(fields, horizon)
+    end
+    if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
+      table.insert(fields, 'limit')
+      table.insert(fields, limit)
+      table.insert(fields, 'pinned')
+      table.insert(fields, pinned and '1' or '0')
+    end
+    redis.call('HSET', meta, unpack(fields))
     if horizon ~= tonumber(stored[4]) then
       redis.call('PEXPIREAT', since, horizon)
       if not pinned then
