@@ -108,17 +108,17 @@ impl RateStore for RedisRate {
 
 /// `{allowed, remaining, retry µs (-1: none), reset µs}`.
 pub(super) fn decision(reply: &Value) -> Option<RateDecision> {
+    // Read in place: no copy of the numbers on every check.
     let Value::Array(items) = reply else {
         return None;
     };
-    let numbers: Vec<i64> = items
-        .iter()
-        .map(|item| match item {
-            Value::Int(n) => Some(*n),
-            _ => None,
-        })
-        .collect::<Option<_>>()?;
-    let &[allowed, remaining, retry_us, reset_us] = numbers.as_slice() else {
+    let &[
+        Value::Int(allowed),
+        Value::Int(remaining),
+        Value::Int(retry_us),
+        Value::Int(reset_us),
+    ] = items.as_slice()
+    else {
         return None;
     };
     let micros = |us: i64| Duration::from_micros(u64::try_from(us).unwrap_or(0));
@@ -129,4 +129,44 @@ pub(super) fn decision(reply: &Value) -> Option<RateDecision> {
         reset_after: micros(reset_us),
         degraded: false,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ints(numbers: &[i64]) -> Value {
+        Value::Array(numbers.iter().map(|&n| Value::Int(n)).collect())
+    }
+
+    #[test]
+    fn a_reply_of_four_numbers_is_a_decision() {
+        let d = decision(&ints(&[1, 19, -1, 50_000])).unwrap();
+        assert!(d.allowed && !d.degraded);
+        assert_eq!(d.remaining, 19);
+        assert_eq!(d.retry_after, None);
+        assert_eq!(d.reset_after, Duration::from_millis(50));
+        let d = decision(&ints(&[0, 0, 1_500, 2_000_000])).unwrap();
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_micros(1_500)));
+        assert_eq!(d.reset_after, Duration::from_secs(2));
+    }
+
+    #[test]
+    fn any_other_reply_is_not() {
+        for reply in [
+            ints(&[1, 19, -1]),
+            ints(&[1, 19, -1, 50_000, 0]),
+            Value::Array(vec![
+                Value::Int(1),
+                Value::Int(19),
+                Value::Nil,
+                Value::Int(50_000),
+            ]),
+            Value::Int(1),
+            Value::Nil,
+        ] {
+            assert_eq!(decision(&reply), None, "{reply:?}");
+        }
+    }
 }
