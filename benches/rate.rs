@@ -23,6 +23,9 @@
 //!    `return 1` (a reply of four numbers, `TIME`, `GET` + `SET`, the arguments and the stored
 //!    TAT's parsing and writing, the GCRA arithmetic) and for `check()` itself, with the
 //!    commands the script runs inside.
+//! 4. **The combined layer.** Script calls per request through
+//!    `DistributedConcurrencyLimitLayer::new(sem).rate_limit(rate)`, both on the same Redis
+//!    (target 1: the permit and the rate in one call, the release riding on the next).
 //!
 //! Run with `cargo bench --bench rate`; it starts its own redis-server on a free loopback port
 //! and takes about 30 s (`RATE_BENCH_SECS=3` for a shorter accuracy window; at most 50, as
@@ -58,8 +61,12 @@ const WINDOWS: usize = 3;
 const ROLE_REDIS: &str = "rate-redis";
 const ROLE_MEMORY: &str = "rate-memory";
 
-/// The rate limiter's script, to call without the crate.
-const RATE_LUA: &str = include_str!("../src/backend/lua/rate.lua");
+/// The rate limiter's script as the crate sends it (the GCRA function, then the call), to call
+/// without the crate.
+const RATE_LUA: &str = concat!(
+    include_str!("../src/backend/lua/gcra.lua"),
+    include_str!("../src/backend/lua/rate.lua")
+);
 const BARE_LUA: &str = "return 1";
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -194,6 +201,55 @@ async fn main() {
         check.mean - bare.mean,
         server[3].1.per_call - first.per_call
     );
+
+    let (requests, calls) = combined(&redis).await;
+    println!(
+        "\n### The combined layer: `DistributedConcurrencyLimitLayer::new(sem).rate_limit(rate)`, \
+         both on one Redis\n\n{requests} requests one after another, {calls} script calls: \
+         {:.3} per request (target 1; each carries the previous request's release)",
+        calls as f64 / requests as f64
+    );
+}
+
+/// Requests through the layer with `rate_limit`, one after another: how many script calls
+/// (EVALSHA and EVAL, counted by the server) they cost.
+async fn combined(redis: &support::Redis) -> (u64, u64) {
+    use tower::{ServiceExt, service_fn};
+    use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Semaphore};
+    const REQUESTS: u64 = 5_000;
+    let backend = redis.backend().await;
+    let sem = Semaphore::builder("combined")
+        .limit(10)
+        .build(backend.clone())
+        .expect("a semaphore");
+    let rate = limiter("combined", 1_000_000, 1_000_000, backend);
+    let svc = tower::ServiceBuilder::new()
+        .layer(DistributedConcurrencyLimitLayer::new(sem).rate_limit(rate))
+        .service(service_fn(|()| async { Ok::<_, tower::BoxError>(()) }));
+    svc.clone().oneshot(()).await.expect("a warm-up request");
+    let before = script_calls(redis).await;
+    for _ in 0..REQUESTS {
+        svc.clone().oneshot(()).await.expect("a request");
+    }
+    (REQUESTS, script_calls(redis).await - before)
+}
+
+/// EVALSHA and EVAL calls the server ran so far.
+async fn script_calls(redis: &support::Redis) -> u64 {
+    let mut conn = redis.conn().await;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO commandstats");
+    info.lines()
+        .filter_map(|line| {
+            let rest = line
+                .strip_prefix("cmdstat_evalsha:calls=")
+                .or_else(|| line.strip_prefix("cmdstat_eval:calls="))?;
+            rest.split(',').next()?.parse::<u64>().ok()
+        })
+        .sum()
 }
 
 // ---------------------------------------------------------------------------------------------

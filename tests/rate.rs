@@ -402,46 +402,6 @@ async fn the_http_flavour_over_tcp() {
     );
 }
 
-/// The figures of the README: p50 of `check()` against a bare EVALSHA (a one-line script) on
-/// the same server, interleaved in one run. `cargo test --test rate -- --ignored latency --nocapture`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement, run by hand"]
-async fn latency_of_check_against_a_bare_evalsha() {
-    let redis = Redis::start().await;
-    let rate = limiter(
-        "latency",
-        1_000_000,
-        Duration::from_secs(1),
-        1_000_000,
-        redis.backend().await,
-    );
-    let mut conn = redis.conn().await;
-    let bare = redis::Script::new("return 1");
-    let _: i64 = bare.invoke_async(&mut conn).await.unwrap();
-    rate.check().await.unwrap();
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-    for _ in 0..20_000 {
-        let t = std::time::Instant::now();
-        rate.check().await.unwrap();
-        ours.push(t.elapsed());
-        let t = std::time::Instant::now();
-        let _: i64 = redis::cmd("EVALSHA")
-            .arg(bare.get_hash())
-            .arg(0)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        theirs.push(t.elapsed());
-    }
-    ours.sort();
-    theirs.sort();
-    let (a, b) = (ours[ours.len() / 2], theirs[theirs.len() / 2]);
-    eprintln!(
-        "p50 check() {a:?}, bare EVALSHA {b:?}: ratio {:.2}",
-        a.as_secs_f64() / b.as_secs_f64()
-    );
-}
-
 /// A service whose calls wait at `gate` until let through, telling `entered` when they start.
 fn gated(
     gate: &std::sync::Arc<tokio::sync::Semaphore>,
