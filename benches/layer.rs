@@ -1,7 +1,7 @@
 //! What `DistributedConcurrencyLimitLayer` adds to a request: the same `service_fn` served bare,
 //! behind the generic layer and behind its `.http()` flavour, with `weight_by` and
 //! `acquire_in_poll_ready`, and a service of a request type that is not HTTP (`u64` jobs), all on
-//! `MemoryBackend`. The
+//! `MemoryBackend`, beside tower's per-process `ConcurrencyLimitLayer` for scale. The
 //! difference between `bare` and a layered line is the layer's cost per request (taking and
 //! giving back a permit, the boxed acquire future, the moved inner service).
 //!
@@ -97,6 +97,13 @@ fn layer_overhead(c: &mut Criterion) {
     );
     let mut group = c.benchmark_group("layer");
     bench(&mut group, &rt, "bare", service_fn(hello));
+    // tower's own per-process limit, for scale: its permit is a tokio semaphore's.
+    bench(
+        &mut group,
+        &rt,
+        "tower_concurrency_limit",
+        tower::limit::ConcurrencyLimitLayer::new(1).layer(service_fn(hello)),
+    );
     bench(&mut group, &rt, "generic", layer.layer(service_fn(hello)));
     bench(
         &mut group,

@@ -27,12 +27,12 @@ struct LeaseState {
 }
 
 impl Lease {
-    /// A lease that ends at `deadline` (already lost if that has passed).
-    pub(crate) fn new(deadline: Instant) -> Arc<Self> {
+    /// A lease that ends at `deadline`, granted at `now` (already lost if that has passed).
+    pub(crate) fn new(deadline: Instant, now: Instant) -> Arc<Self> {
         Arc::new(Lease {
             state: Mutex::new(LeaseState {
                 deadline,
-                term: deadline.saturating_duration_since(Instant::now()),
+                term: deadline.saturating_duration_since(now),
                 gone: false,
             }),
             changed: Notify::new(),

@@ -100,15 +100,16 @@ impl Claim {
     /// allowance.
     pub(crate) fn into_permit(mut self, token: u64, deadline: Instant, rated: bool) -> Permit {
         self.rated = rated;
-        let lease = Lease::new(deadline);
-        if lease.is_lost() {
+        let now = Instant::now();
+        let lease = Lease::new(deadline, now);
+        if now >= deadline {
             self.origin.telemetry.lease_lost();
         } else {
             self.origin.keeper.keep(self.member.clone(), &lease);
             self.origin
                 .telemetry
                 .holding(self.member.weight, true, Duration::ZERO);
-            self.granted = Some(Instant::now());
+            self.granted = Some(now);
         }
         Permit {
             claim: self,

@@ -377,10 +377,10 @@ impl Semaphore {
     async fn acquire_in_span(&self, weight: u32, rate: Option<&Rated>) -> Result<Permit, Error> {
         self.check_weight(weight)?;
         let started = Instant::now();
-        let deadline = deadline_after(self.inner.settings.acquire_timeout);
-        let result = match self.wait_for(weight, deadline, rate).await {
+        let deadline = deadline_after(started, self.inner.settings.acquire_timeout);
+        let result = match self.wait_for(weight, started, deadline, rate).await {
             Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
-                Ok(fallback) => fallback.wait_for(weight, deadline, None).await,
+                Ok(fallback) => fallback.wait_for(weight, started, deadline, None).await,
                 Err(e) => Err(e),
             },
             other => other,
@@ -404,10 +404,11 @@ impl Semaphore {
             }
             Err(_) => return,
         };
-        telemetry.acquire(outcome, started.elapsed());
+        let waited = started.elapsed();
+        telemetry.acquire(outcome, waited);
         let span = tracing::Span::current();
         span.record("outcome", outcome.as_str());
-        span.record("wait_ms", started.elapsed().as_secs_f64() * 1000.0);
+        span.record("wait_ms", waited.as_secs_f64() * 1000.0);
     }
 
     /// One attempt at one permit: `Ok(None)` when the semaphore is full.
@@ -590,10 +591,10 @@ impl Semaphore {
     async fn wait_for(
         &self,
         weight: u32,
+        started: Instant,
         deadline: Instant,
         rate: Option<&Rated>,
     ) -> Result<Permit, Error> {
-        let started = Instant::now();
         let timeout = || Error::Timeout {
             waited: started.elapsed(),
         };
@@ -686,10 +687,9 @@ impl Semaphore {
     }
 }
 
-/// `timeout` from now, or a far future for a timeout too long to add (`Duration::MAX`).
-fn deadline_after(timeout: Duration) -> Instant {
+/// `timeout` after `now`, or a far future for a timeout too long to add (`Duration::MAX`).
+fn deadline_after(now: Instant, timeout: Duration) -> Instant {
     const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-    let now = Instant::now();
     now.checked_add(timeout)
         .or_else(|| now.checked_add(CENTURY))
         .unwrap_or(now)
