@@ -1,0 +1,740 @@
+//! One semaphore in Redis: its keys, every operation as one call of `lua/semaphore.lua`, and
+//! the outbox that lets concurrent operations of this process share calls (releases ride on the
+//! next call; acquires that arrive while one is in flight go together in the next: a group
+//! commit).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use redis::{Cmd, Value};
+use tokio::sync::{oneshot, watch};
+use tokio::time::Instant;
+
+use super::{Connection, Lua, RedisBackend, hash_tag, invoke, redis_error, slot_tag};
+use crate::Error;
+use crate::backend::gcra::{RateKey, Rated};
+use crate::backend::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
+use crate::snapshot::{Holder, Snapshot};
+use crate::sync::{BoxFuture, lock};
+use crate::waitlist::{CLAIM, ClockReading, PATIENCE, Refresh, Status};
+
+/// Every operation on a semaphore, in one script.
+static SEMAPHORE: Lua = Lua::new(concat!(
+    include_str!("../lua/gcra.lua"),
+    include_str!("../lua/semaphore.lua")
+));
+
+/// The most members one call renews or refreshes, so a long list never blocks Redis for long.
+const BATCH: usize = 1000;
+
+impl Open for RedisBackend {
+    fn open(&self, name: &str, limit: u32) -> Opened {
+        let base = format!("{}{}", self.prefix, hash_tag(name));
+        let channel = format!("{base}:granted");
+        // Grants reach the waitlist through the hub, by channel.
+        let waitlist = self.shared.hub.waitlist(&channel);
+        let store = Arc::new_cyclic(|me| RedisSemaphore {
+            me: me.clone(),
+            shared: self.shared.clone(),
+            keys: ["holders", "meta", "queue", "alive", "since"].map(|key| format!("{base}:{key}")),
+            warned: AtomicBool::new(false),
+            limit,
+            channel,
+            outbox: Mutex::default(),
+        });
+        Opened { store, waitlist }
+    }
+}
+
+struct RedisSemaphore {
+    me: Weak<RedisSemaphore>,
+    /// Keeps the connection and the announcement hub alive as long as the semaphore.
+    shared: Arc<Connection>,
+    keys: [String; 5],
+    channel: String,
+    /// The limit this process was built with; the one in force is stored with the semaphore.
+    limit: u32,
+    /// A warning about the two limits differing was logged.
+    warned: AtomicBool,
+    outbox: Mutex<Outbox>,
+}
+
+/// What this process has not sent yet for the semaphore. Releases ride on the next call, or a
+/// flush task sends them. Acquires that arrive while an acquire call is in flight wait for it,
+/// then all go in the next call together: a group commit that never waits when nothing is in
+/// flight, so one request costs one call however many run at once.
+#[derive(Default)]
+struct Outbox {
+    releases: Vec<Arc<str>>,
+    /// A flush task is spawned and has not started yet: later releases wait for it.
+    flush_pending: bool,
+    /// An acquire call is in flight; whoever sent it passes the queued acquires on when it is
+    /// answered (see [`Sending`]).
+    sending: bool,
+    acquires: Vec<Queued>,
+}
+
+/// An acquire waiting for the call in flight.
+struct Queued {
+    member: Arc<str>,
+    mode: Mode,
+    rate: Option<Rated>,
+    until: Option<Instant>,
+    /// Dropped unanswered (no runtime left to send it): the caller sends it itself.
+    reply: oneshot::Sender<Result<Attempt, Error>>,
+}
+
+impl RedisSemaphore {
+    fn outbox(&self) -> MutexGuard<'_, Outbox> {
+        lock(&self.outbox)
+    }
+
+    /// One call of the script: `op` on this semaphore, releasing `releasing` and whatever
+    /// releases are waiting to be sent, with the operation's own arguments after those
+    /// (`args` is told whether this is a repeat).
+    ///
+    /// A call whose connection dropped is sent once more: the connection manager reconnects on
+    /// that error, and every operation may run twice (an acquire's repeat rechecks its member
+    /// instead of adding it again). A server that is loading its data or busy with a script is
+    /// asked again after a jittered pause, until `until` (or the call timeout). With
+    /// `wait_for_replicas`, a call that may grant (`confirm`) is pipelined with `WAIT`, and
+    /// fails unless enough replicas acknowledged it.
+    async fn run(
+        &self,
+        op: &'static str,
+        rate_key: Option<&str>,
+        releasing: Option<&Member>,
+        until: Option<Instant>,
+        args: impl Fn(&mut Cmd, bool),
+    ) -> Result<Value, Error> {
+        let mut carried = Carried {
+            semaphore: self,
+            members: std::mem::take(&mut self.outbox().releases),
+            settled: false,
+        };
+        let replicas = self
+            .shared
+            .replicas
+            .filter(|_| matches!(op, "acquire" | "touch" | "renew"));
+        let until = until.unwrap_or_else(|| Instant::now() + self.shared.call_timeout);
+        let mut conn = self.shared.conn.clone();
+        let result = invoke(
+            &SEMAPHORE,
+            &mut conn,
+            op,
+            until,
+            replicas,
+            |command, repeat| {
+                command
+                    .arg(self.keys.len() + usize::from(rate_key.is_some()))
+                    .arg(&self.keys[..]);
+                if let Some(key) = rate_key {
+                    command.arg(key);
+                }
+                command
+                    .arg(op)
+                    .arg(&self.channel)
+                    .arg(self.shared.conn.publisher())
+                    .arg(self.limit)
+                    .arg(PATIENCE.as_millis() as u64)
+                    .arg(CLAIM.as_millis() as u64)
+                    .arg(carried.members.len() + usize::from(releasing.is_some()));
+                if let Some(member) = releasing {
+                    command.arg(&*member.text);
+                }
+                for member in &carried.members {
+                    command.arg(&**member);
+                }
+                args(command, repeat);
+            },
+        )
+        .await;
+        carried.settled = true;
+        let result = result
+            .map_err(|e| redis_error(e, op))
+            .and_then(|(reply, acked)| match (self.shared.replicas, acked) {
+                (Some(replicas), Some(acked)) if acked < i64::from(replicas.count) => {
+                    Err(Error::backend(
+                        format!(
+                            "only {acked} of {} replicas acknowledged `{op}` within {:?} \
+                             (wait_for_replicas), so it does not count; check the replicas' \
+                             health and lag, or raise the timeout",
+                            replicas.count, replicas.timeout
+                        ),
+                        None,
+                    ))
+                }
+                _ => Ok(reply),
+            });
+        if let Err(e) = &result
+            && !carried.members.is_empty()
+        {
+            tracing::warn!(error = %e, count = carried.members.len(), "releases failed: those slots free when their leases end");
+        }
+        result
+    }
+
+    /// Logs once when the limit in force is not the one this process was built with.
+    fn note_limit(&self, limit: i64) {
+        if limit != i64::from(self.limit) && !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                configured = self.limit,
+                in_force = limit,
+                channel = %self.channel,
+                "this semaphore admits by the limit stored with it, not the one this process was \
+                 built with; change it for every process with set_limit (or `dlimit set-limit`)"
+            );
+        }
+    }
+
+    /// Sends the waiting releases, unless another call took them meanwhile or an acquire call
+    /// in flight will pass them on.
+    async fn flush(&self) {
+        {
+            let outbox = self.outbox();
+            if outbox.releases.is_empty() || outbox.sending {
+                return;
+            }
+        }
+        // `run` logs a failure; the leases are the fallback.
+        let _ = self.run("release", None, None, None, |_, _| {}).await;
+    }
+
+    /// Makes sure a flush task will send the waiting releases, unless one is already due to.
+    fn schedule_flush(&self) {
+        let Some(me) = self.me.upgrade() else { return };
+        if std::mem::replace(&mut me.outbox().flush_pending, true) {
+            return;
+        }
+        // The flag goes down when the task starts, or when it is dropped unstarted (its
+        // runtime shut down), so a lost task never stops later releases from being sent.
+        let pending = FlushPending(me);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    pending.0.outbox().flush_pending = false;
+                    pending.0.flush().await;
+                });
+            }
+            Err(_) => {
+                drop(pending);
+                tracing::warn!(
+                    "permit dropped outside a tokio runtime: it is released with the semaphore's \
+                     next call, or frees when its lease ends"
+                );
+            }
+        }
+    }
+
+    /// Acquires `member`: sent at once when no acquire call is in flight, otherwise with the
+    /// acquires queued behind that call, in the next one.
+    async fn acquire_batched(
+        &self,
+        member: &Member,
+        mode: Mode,
+        until: Option<Instant>,
+        rate: Option<&Rated>,
+    ) -> Result<Attempt, Error> {
+        loop {
+            let waiting = {
+                let mut outbox = self.outbox();
+                if outbox.sending {
+                    let (reply, answer) = oneshot::channel();
+                    outbox.acquires.push(Queued {
+                        member: member.text.clone(),
+                        mode,
+                        rate: rate.cloned(),
+                        until,
+                        reply,
+                    });
+                    Some(answer)
+                } else {
+                    outbox.sending = true;
+                    None
+                }
+            };
+            match waiting {
+                // Answered, or dropped unsent (its sender lost its runtime): then send it here.
+                Some(answer) => match answer.await {
+                    Ok(attempt) => return attempt,
+                    Err(_) => continue,
+                },
+                None => {
+                    let mut sending = Sending::new(self);
+                    let limiter = rate.map(|rate| &rate.limiter);
+                    let cost = rate.map_or(0, |rate| rate.cost);
+                    let attempts = self
+                        .acquire_all(&[(&*member.text, mode, cost)], limiter, until)
+                        .await;
+                    sending.answered = true;
+                    return attempts?.pop().ok_or_else(|| {
+                        Error::backend("the acquire call answered no member", None)
+                    });
+                }
+            }
+        }
+    }
+
+    /// Sends the acquires queued behind the call that `sending` was for.
+    async fn send_queued(mut sending: Sending<Arc<RedisSemaphore>>) {
+        // The oldest queued acquires that go with the same rate limiter (or none), in order.
+        let queued: Vec<Queued> = {
+            let mut outbox = sending.semaphore.outbox();
+            let limiter = |q: &Queued| q.rate.as_ref().map(|rate| rate.limiter.clone());
+            let first = outbox.acquires.first().and_then(limiter);
+            let take = outbox
+                .acquires
+                .iter()
+                .take(BATCH)
+                .take_while(|q| limiter(q) == first)
+                .count();
+            outbox.acquires.drain(..take).collect()
+        };
+        let limiter = queued
+            .first()
+            .and_then(|q| q.rate.as_ref())
+            .map(|rate| &rate.limiter);
+        let members: Vec<(&str, Mode, u32)> = queued
+            .iter()
+            .map(|q| {
+                (
+                    &*q.member,
+                    q.mode,
+                    q.rate.as_ref().map_or(0, |rate| rate.cost),
+                )
+            })
+            .collect();
+        let until = queued.iter().map(|q| q.until).max().flatten();
+        let attempts = sending
+            .semaphore
+            .acquire_all(&members, limiter, until)
+            .await;
+        sending.answered = true;
+        match attempts {
+            Ok(attempts) => {
+                for (queued, attempt) in queued.into_iter().zip(attempts) {
+                    let _ = queued.reply.send(Ok(attempt));
+                }
+            }
+            Err(e) => {
+                for queued in queued {
+                    let _ = queued.reply.send(Err(Error::backend(e.to_string(), None)));
+                }
+            }
+        }
+    }
+
+    /// Called when the acquire call in flight was answered, or given up.
+    ///
+    /// Answered, a task sends the acquires queued meanwhile (else the waiting releases are
+    /// flushed). Given up (its caller was cancelled, or its runtime went away), the queued
+    /// callers are told to send their own, so none waits for a call nobody will make.
+    fn pass_on(&self, answered: bool) {
+        let mut outbox = self.outbox();
+        // A caller that gave up needs no answer (its claim releases the member if it was sent).
+        outbox.acquires.retain(|queued| !queued.reply.is_closed());
+        let next = if outbox.acquires.is_empty() || !answered {
+            None
+        } else {
+            self.me
+                .upgrade()
+                .zip(tokio::runtime::Handle::try_current().ok())
+        };
+        match next {
+            Some((me, runtime)) => {
+                runtime.spawn(Self::send_queued(Sending::new(me)));
+            }
+            None => {
+                outbox.sending = false;
+                outbox.acquires.clear();
+                let releases = !outbox.releases.is_empty();
+                drop(outbox);
+                if releases {
+                    self.schedule_flush();
+                }
+            }
+        }
+    }
+
+    /// One acquire call for `members` (each with its mode, and the cost it spends of `rate`
+    /// if granted at once), answered in order.
+    async fn acquire_all(
+        &self,
+        members: &[(&str, Mode, u32)],
+        rate: Option<&RateKey>,
+        until: Option<Instant>,
+    ) -> Result<Vec<Attempt>, Error> {
+        let sent = Instant::now();
+        let reply = self
+            .run(
+                "acquire",
+                rate.map(|rate| &*rate.key),
+                None,
+                until,
+                |script, repeat| {
+                    match rate {
+                        Some(rate) => script
+                            .arg(rate.gcra.rate)
+                            .arg(rate.gcra.period_us)
+                            .arg(rate.gcra.burst),
+                        None => script.arg(0).arg(0).arg(0),
+                    };
+                    for &(member, mode, cost) in members {
+                        let mode = if repeat && mode == Mode::Join {
+                            Mode::Recheck
+                        } else {
+                            mode
+                        };
+                        script.arg(member).arg(mode_word(mode)).arg(cost);
+                    }
+                },
+            )
+            .await?;
+        let answers = match &reply {
+            Value::Array(answers) if answers.len() == members.len() => answers,
+            _ => return Err(unexpected(&reply)),
+        };
+        answers
+            .iter()
+            .map(|answer| self.attempt(answer, sent))
+            .collect()
+    }
+
+    /// One member's answer to an acquire call sent at `sent`.
+    fn attempt(&self, reply: &Value, sent: Instant) -> Result<Attempt, Error> {
+        let numbers = integers(reply);
+        if let Some(&[first, .., limit]) = numbers.as_deref()
+            && first != 3
+        {
+            self.note_limit(limit);
+        }
+        match numbers.as_deref() {
+            Some(&[3, limit]) => Ok(Attempt::TooHeavy {
+                limit: u32::try_from(limit).map_err(|_| unexpected(reply))?,
+            }),
+            Some(&[1, token, left_us, _]) => Ok(Attempt::Granted {
+                token: token_of(token).ok_or_else(|| unexpected(reply))?,
+                remaining: micros(left_us).ok_or_else(|| unexpected(reply))?,
+            }),
+            Some(&[2, retry_ms, now_us, _]) => Ok(Attempt::Queued {
+                retry_in: millis(retry_ms),
+                clock: ClockReading {
+                    local: sent,
+                    server_us: u64::try_from(now_us).map_err(|_| unexpected(reply))?,
+                },
+            }),
+            Some(&[0, _, _, _]) => Ok(Attempt::Full),
+            Some(&[4, retry_us, _]) => Ok(Attempt::RateLimited {
+                retry_after: micros(retry_us).ok_or_else(|| unexpected(reply))?,
+            }),
+            _ => Err(unexpected(reply)),
+        }
+    }
+}
+
+/// Lowers the flush flag when dropped.
+struct FlushPending(Arc<RedisSemaphore>);
+
+impl Drop for FlushPending {
+    fn drop(&mut self) {
+        self.0.outbox().flush_pending = false;
+    }
+}
+
+/// Held by whoever sends the acquire call in flight (the outbox's `sending`); dropped, it
+/// passes the outbox on (see [`RedisSemaphore::pass_on`]).
+struct Sending<S: std::ops::Deref<Target = RedisSemaphore>> {
+    semaphore: S,
+    /// The call was answered (not cancelled, not dropped unstarted).
+    answered: bool,
+}
+
+impl<S: std::ops::Deref<Target = RedisSemaphore>> Sending<S> {
+    fn new(semaphore: S) -> Self {
+        Sending {
+            semaphore,
+            answered: false,
+        }
+    }
+}
+
+impl<S: std::ops::Deref<Target = RedisSemaphore>> Drop for Sending<S> {
+    fn drop(&mut self) {
+        self.semaphore.pass_on(self.answered);
+    }
+}
+
+/// Releases carried by a call. If the call is cancelled before it is answered they go back to
+/// be sent again (releasing twice is harmless); if it fails they are dropped with a warning,
+/// so a Redis outage cannot turn into a loop of retries.
+struct Carried<'a> {
+    semaphore: &'a RedisSemaphore,
+    members: Vec<Arc<str>>,
+    settled: bool,
+}
+
+impl Drop for Carried<'_> {
+    fn drop(&mut self) {
+        if self.settled || self.members.is_empty() {
+            return;
+        }
+        self.semaphore.outbox().releases.append(&mut self.members);
+        self.semaphore.schedule_flush();
+    }
+}
+
+/// The word the script takes for each mode.
+fn mode_word(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Once => "once",
+        Mode::Join => "join",
+        Mode::Recheck => "recheck",
+    }
+}
+
+impl Store for RedisSemaphore {
+    fn acquire<'a>(
+        &'a self,
+        member: &'a Member,
+        mode: Mode,
+        until: Option<Instant>,
+        rate: Option<&'a Rated>,
+    ) -> BoxFuture<'a, Result<Attempt, Error>> {
+        Box::pin(self.acquire_batched(member, mode, until, rate))
+    }
+
+    fn combines(&self, rate: &RateKey) -> bool {
+        // One call reaches both keys: the same connection, and on a cluster the same slot.
+        rate.backend == Arc::as_ptr(&self.shared) as usize
+            && (!self.shared.conn.is_cluster() || slot_tag(&rate.key) == slot_tag(&self.keys[0]))
+    }
+
+    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
+        Box::pin(async move {
+            match self
+                .run("release", None, Some(member), None, |_, _| {})
+                .await?
+            {
+                Value::Int(_) => Ok(()),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn release_later(&self, member: Member) {
+        let mut outbox = self.outbox();
+        outbox.releases.push(member.text);
+        // An acquire call in flight passes the releases on when it is answered.
+        if !outbox.sending {
+            drop(outbox);
+            self.schedule_flush();
+        }
+    }
+
+    fn renew<'a>(
+        &'a self,
+        members: &'a [Member],
+    ) -> BoxFuture<'a, Result<Vec<Option<Duration>>, Error>> {
+        Box::pin(async move {
+            let mut renewed = Vec::with_capacity(members.len());
+            // Batches keep each script call short, however many permits this process holds.
+            for batch in members.chunks(BATCH) {
+                let reply = self
+                    .run("renew", None, None, None, |script, _| {
+                        for member in batch {
+                            script.arg(&*member.text);
+                        }
+                    })
+                    .await?;
+                match integers(&reply) {
+                    Some(left) if left.len() == batch.len() => {
+                        renewed.extend(left.into_iter().map(micros));
+                    }
+                    _ => return Err(unexpected(&reply)),
+                }
+            }
+            Ok(renewed)
+        })
+    }
+
+    fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
+        Box::pin(async move {
+            match self.run("used", None, None, None, |_, _| {}).await? {
+                Value::Int(used) => Ok(u32::try_from(used.max(0)).unwrap_or(u32::MAX)),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn reconnects(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.shared.reconnects.subscribe())
+    }
+
+    fn snapshot(&self) -> BoxFuture<'_, Result<Snapshot, Error>> {
+        Box::pin(async move {
+            let reply = self.run("snapshot", None, None, None, |_, _| {}).await?;
+            parse_snapshot(&reply).ok_or_else(|| unexpected(&reply))
+        })
+    }
+
+    fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            match self
+                .run("set_limit", None, None, None, |script, _| {
+                    script.arg(limit);
+                })
+                .await?
+            {
+                Value::Int(1) => Ok(()),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn evict<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, Error>> {
+        Box::pin(async move {
+            match self
+                .run("evict", None, None, None, |script, _| {
+                    script.arg(id);
+                })
+                .await?
+            {
+                Value::Int(evicted) => Ok(evicted == 1),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+}
+
+impl Refresh for RedisSemaphore {
+    fn touch<'a>(
+        &'a self,
+        members: &'a [Arc<str>],
+        until: Instant,
+    ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
+        Box::pin(async move {
+            let mut statuses = Vec::with_capacity(members.len());
+            let mut retry_in = PATIENCE;
+            for batch in members.chunks(BATCH) {
+                let reply = self
+                    .run("touch", None, None, Some(until), |script, _| {
+                        for member in batch {
+                            script.arg(&**member);
+                        }
+                    })
+                    .await?;
+                let numbers = integers(&reply).ok_or_else(|| unexpected(&reply))?;
+                let Some((&retry_ms, rest)) = numbers.split_first() else {
+                    return Err(unexpected(&reply));
+                };
+                if rest.len() != batch.len() * 3 {
+                    return Err(unexpected(&reply));
+                }
+                statuses.extend(rest.chunks_exact(3).map(|status| match *status {
+                    [1, token, left_us] => match (token_of(token), micros(left_us)) {
+                        (Some(token), Some(remaining)) => Status::Granted { token, remaining },
+                        _ => Status::Unknown,
+                    },
+                    [2, ..] => Status::Queued,
+                    _ => Status::Unknown,
+                }));
+                retry_in = millis(retry_ms);
+            }
+            Ok((statuses, retry_in))
+        })
+    }
+
+    fn confirms_grants(&self) -> bool {
+        self.shared.replicas.is_some()
+    }
+}
+
+/// `{limit, used, waiting, now ms, then per holder: member, deadline ms, granted ms}`.
+fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
+    let Value::Array(items) = reply else {
+        return None;
+    };
+    let int = |value: &Value| -> Option<i64> {
+        match value {
+            Value::Int(n) => Some(*n),
+            Value::BulkString(text) => std::str::from_utf8(text).ok()?.parse().ok(),
+            _ => None,
+        }
+    };
+    let (head, rest) = items.split_at_checked(4)?;
+    let count = |value: &Value| u32::try_from(int(value)?.max(0)).ok();
+    let now = int(&head[3])?;
+    let millis = |ms: i64| Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0));
+    let holders = rest
+        .chunks_exact(3)
+        .map(|holder| {
+            let Value::BulkString(member) = &holder[0] else {
+                return None;
+            };
+            let member = std::str::from_utf8(member).ok()?;
+            let mut parts = member.split(':');
+            let id = parts.next()?.to_owned();
+            let weight = parts.next()?.parse().ok()?;
+            let (deadline, granted) = (int(&holder[1])?, int(&holder[2])?);
+            Some(Holder {
+                id,
+                weight,
+                held_for: if granted > 0 {
+                    millis(now - granted)
+                } else {
+                    Duration::ZERO
+                },
+                lease_remaining: millis(deadline - now),
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    let mut holders = holders;
+    holders.sort_by_key(|holder| std::cmp::Reverse(holder.held_for));
+    Some(Snapshot {
+        limit: count(&head[0])?,
+        used: count(&head[1])?,
+        waiting: count(&head[2])?,
+        holders,
+    })
+}
+
+/// A fencing token: positive.
+fn token_of(token: i64) -> Option<u64> {
+    u64::try_from(token).ok().filter(|&token| token > 0)
+}
+
+/// Time left of a lease: positive.
+fn micros(us: i64) -> Option<Duration> {
+    u64::try_from(us)
+        .ok()
+        .filter(|&us| us > 0)
+        .map(Duration::from_micros)
+}
+
+fn millis(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0).max(1))
+}
+
+fn integers(reply: &Value) -> Option<Vec<i64>> {
+    match reply {
+        Value::Array(items) => items
+            .iter()
+            .map(|item| match item {
+                Value::Int(n) => Some(*n),
+                _ => None,
+            })
+            .collect(),
+        _ => None,
+    }
+}
+
+fn unexpected(reply: &Value) -> Error {
+    Error::backend(
+        format!(
+            "the semaphore script answered {reply:?}, which this version does not understand; \
+             is another program or version using the same key prefix?"
+        ),
+        None,
+    )
+}
