@@ -503,3 +503,39 @@ async fn acquires_cancelled_in_the_batch_leak_nothing() {
     let held: Vec<_> = futures_util::future::join_all((0..8).map(|_| sem.try_acquire())).await;
     assert!(held.iter().all(|p| matches!(p, Ok(Some(_)))));
 }
+
+/// The line's keys always carry a TTL of at most one and a half patience (3 s) past the latest
+/// waiter's deadline, even when a join skips the `PEXPIREAT` (the TTL was pushed far enough
+/// already) and when the line was deleted behind the script's back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_line_always_expires() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("line-ttl")
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(30))
+        .build(redis.backend().await)
+        .unwrap();
+    let _held = sem.acquire().await.unwrap();
+    let mut conn = redis.conn().await;
+    let keys = ["dlimit:{line-ttl}:queue", "dlimit:{line-ttl}:alive"];
+    let mut waiters = Vec::new();
+    for round in 0..2 {
+        for joined in 1..=3 {
+            let sem = sem.clone();
+            waiters.push(tokio::spawn(async move { sem.acquire().await }));
+            eventually(Duration::from_secs(5), "the waiter to queue", || async {
+                redis.queue_len("line-ttl").await == joined
+            })
+            .await;
+            for key in keys {
+                let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
+                assert!((1..=4500).contains(&ttl), "round {round}: {key} TTL {ttl} ms");
+            }
+        }
+        // The line vanishes behind the script's back; the next joins must give it a TTL again.
+        for waiter in waiters.drain(..) {
+            waiter.abort();
+        }
+        let _: () = redis::cmd("DEL").arg(&keys[..]).query_async(&mut conn).await.unwrap();
+    }
+}

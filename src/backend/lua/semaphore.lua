@@ -6,7 +6,8 @@
 --                  `fence` = last fencing token, `horizon` = when holders and meta expire (ms),
 --                  `limit` = the limit every process admits by, `pinned` = 1 when an operator set
 --                  it (then meta never expires); otherwise the first process's configured limit,
---                  which goes with the other keys when the semaphore falls idle
+--                  which goes with the other keys when the semaphore falls idle; `line` = when
+--                  queue and alive expire (ms)
 -- KEYS[3] queue:   zset, member -> arrival (µs): who waits, oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
@@ -72,9 +73,11 @@ local function left(deadline)
   return deadline * 1000 - now_us
 end
 
-local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned')
+local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
+  'line')
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
+local line = tonumber(stored[7]) or 0
 local changed = false
 -- One limit for every process: the one stored with the semaphore, else this caller's, stored
 -- for the others to adopt.
@@ -90,12 +93,18 @@ if op == 'set_limit' then
   changed = true
 end
 
--- Drop holders whose lease has passed.
-local expired = redis.call('ZRANGEBYSCORE', holders, '-inf', now)
-if #expired > 0 then
+-- Drop holders whose lease has passed, if the earliest has. `earliest` is the earliest lease
+-- end while known: kept as this call grants; a release or renewal can only leave it early,
+-- which at worst makes a waiter look again sooner than it needs to.
+local earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
+local earliest_known = true
+local expired = {}
+if earliest and earliest <= now then
+  expired = redis.call('ZRANGEBYSCORE', holders, '-inf', now)
   redis.call('ZREMRANGEBYSCORE', holders, '-inf', now)
   redis.call('HDEL', since, unpack(expired))
   changed = true
+  earliest_known = false
 end
 if used and count then
   for _, member in ipairs(expired) do
@@ -139,6 +148,9 @@ local function grant(member, weight, lease, term)
   redis.call('HSET', since, member, now)
   used = used + weight
   count = count + 1
+  if earliest_known and (not earliest or deadline < earliest) then
+    earliest = deadline
+  end
   -- Strictly increasing; the server time in µs as a floor keeps the token above every token
   -- issued before the counter expired in an idle spell.
   fence = math.max(fence + 1, now_us)
@@ -233,17 +245,30 @@ if waiting > 0 then
   end
 end
 
+-- The line's keys expire after the latest waiter's deadline (`line`, kept in meta), pushed half
+-- a patience further each time, so most joins and touches need no PEXPIREAT; a line created by
+-- this call always gets one.
+local line_was_empty = waiting == 0
 local function wait(member)
-  redis.call('ZADD', alive, now + patience, member)
-  redis.call('PEXPIREAT', queue, now + patience)
-  redis.call('PEXPIREAT', alive, now + patience)
+  local deadline = now + patience
+  redis.call('ZADD', alive, deadline, member)
+  if line_was_empty or deadline > line then
+    line_was_empty = false
+    line = deadline + math.floor(patience / 2)
+    redis.call('PEXPIREAT', queue, line)
+    redis.call('PEXPIREAT', alive, line)
+    changed = true
+  end
 end
 
 -- Time until the earliest lease ends (at least 1 ms), or the patience when nobody holds.
 local function retry_in()
-  local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2]
-  if first then
-    return math.max(tonumber(first) - now, 1)
+  if not earliest_known then
+    earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
+    earliest_known = true
+  end
+  if earliest then
+    return math.max(earliest - now, 1)
   end
   return patience
 end
@@ -376,6 +401,10 @@ if changed then
     if horizon ~= tonumber(stored[4]) then
       table.insert(fields, 'horizon')
       table.insert(fields, horizon)
+    end
+    if line ~= tonumber(stored[7] or 0) then
+      table.insert(fields, 'line')
+      table.insert(fields, line)
     end
     if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
       table.insert(fields, 'limit')
