@@ -58,10 +58,11 @@ local time = redis.call('TIME')
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local now = math.floor(now_us / 1000)
 
--- Lua numbers are doubles, and `tostring` writes 1.7e+15: integers joined into a text are
--- formatted explicitly. (Numbers passed to redis.call are sent as exact integers, %.17g.)
+-- Lua numbers are doubles: every integer sent to Redis is written here, as `%d` (`tostring`
+-- would write 1.7e+15, and a number passed to redis.call as it is goes through %.17g, which
+-- costs twice as much).
 local function int(n)
-  return string.format('%.0f', n)
+  return string.format('%d', n)
 end
 
 local function parse(member)
@@ -100,8 +101,9 @@ local earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
 local earliest_known = true
 local expired = {}
 if earliest and earliest <= now then
-  expired = redis.call('ZRANGEBYSCORE', holders, '-inf', now)
-  redis.call('ZREMRANGEBYSCORE', holders, '-inf', now)
+  local until_now = int(now)
+  expired = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now)
+  redis.call('ZREMRANGEBYSCORE', holders, '-inf', until_now)
   redis.call('HDEL', since, unpack(expired))
   changed = true
   earliest_known = false
@@ -125,7 +127,7 @@ if used == nil or count ~= card then
   if card > 0 then
     local latest = tonumber(redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')[2])
     horizon = latest + math.floor((latest - now) / 2) + 1
-    redis.call('PEXPIREAT', holders, horizon)
+    redis.call('PEXPIREAT', holders, int(horizon))
   end
   changed = true
 end
@@ -135,7 +137,7 @@ end
 local function cover(lease)
   if now + lease > horizon then
     horizon = now + lease + math.floor(lease / 2)
-    redis.call('PEXPIREAT', holders, horizon)
+    redis.call('PEXPIREAT', holders, int(horizon))
     changed = true
   end
 end
@@ -144,8 +146,8 @@ end
 -- lease); returns its token and deadline.
 local function grant(member, weight, lease, term)
   local deadline = now + math.min(term, lease)
-  redis.call('ZADD', holders, deadline, member)
-  redis.call('HSET', since, member, now)
+  redis.call('ZADD', holders, int(deadline), member)
+  redis.call('HSET', since, member, int(now))
   used = used + weight
   count = count + 1
   if earliest_known and (not earliest or deadline < earliest) then
@@ -169,7 +171,7 @@ local function extend(member)
   local _, lease = parse(member)
   if now + lease > deadline then
     deadline = now + lease
-    redis.call('ZADD', holders, 'XX', deadline, member)
+    redis.call('ZADD', holders, 'XX', int(deadline), member)
     cover(lease)
     changed = true
   end
@@ -214,7 +216,7 @@ end
 local granted = {}
 local waiting = redis.call('ZCARD', queue)
 if waiting > 0 then
-  for _, member in ipairs(redis.call('ZRANGEBYSCORE', alive, '-inf', now)) do
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', alive, '-inf', int(now))) do
     redis.call('ZREM', queue, member)
     redis.call('ZREM', alive, member)
   end
@@ -251,12 +253,12 @@ end
 local line_was_empty = waiting == 0
 local function wait(member)
   local deadline = now + patience
-  redis.call('ZADD', alive, deadline, member)
+  redis.call('ZADD', alive, int(deadline), member)
   if line_was_empty or deadline > line then
     line_was_empty = false
     line = deadline + math.floor(patience / 2)
-    redis.call('PEXPIREAT', queue, line)
-    redis.call('PEXPIREAT', alive, line)
+    redis.call('PEXPIREAT', queue, int(line))
+    redis.call('PEXPIREAT', alive, int(line))
     changed = true
   end
 end
@@ -337,7 +339,7 @@ if op == 'acquire' then
         answer = {4, retry_us, limit}
       end
     elseif mode ~= 'once' then
-      redis.call('ZADD', queue, now_us, member)
+      redis.call('ZADD', queue, int(now_us), member)
       waiting = 1
       wait(member)
       answer = {2, 0, now_us, limit}
@@ -397,26 +399,26 @@ if changed then
     redis.call('DEL', meta)
   else
     -- The fields that change on every grant and release, and the rest only when they did.
-    local fields = {'used', math.max(used, 0), 'count', count, 'fence', fence}
+    local fields = {'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence)}
     if horizon ~= tonumber(stored[4]) then
       table.insert(fields, 'horizon')
-      table.insert(fields, horizon)
+      table.insert(fields, int(horizon))
     end
     if line ~= tonumber(stored[7] or 0) then
       table.insert(fields, 'line')
-      table.insert(fields, line)
+      table.insert(fields, int(line))
     end
     if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
       table.insert(fields, 'limit')
-      table.insert(fields, limit)
+      table.insert(fields, int(limit))
       table.insert(fields, 'pinned')
       table.insert(fields, pinned and '1' or '0')
     end
     redis.call('HSET', meta, unpack(fields))
     if horizon ~= tonumber(stored[4]) then
-      redis.call('PEXPIREAT', since, horizon)
+      redis.call('PEXPIREAT', since, int(horizon))
       if not pinned then
-        redis.call('PEXPIREAT', meta, horizon)
+        redis.call('PEXPIREAT', meta, int(horizon))
       end
     end
     if pinned then
