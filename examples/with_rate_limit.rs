@@ -1,4 +1,4 @@
-//! A concurrency limit and a rate limit stacked in one `ServiceBuilder`.
+//! A concurrency limit and a rate limit on one layer, decided together.
 //!
 //! They bound different things, and an upstream usually has both:
 //! - the **concurrency** limit (how many at once) protects capacity that is held for as long as
@@ -13,6 +13,12 @@
 //! calls per 200 ms and run at most 2 at once (tower's `RateLimitLayer` would count per
 //! process: ten pods, ten times the rate).
 //!
+//! `DistributedConcurrencyLimitLayer::new(sem).rate_limit(rate)` gives each call a slot *and*
+//! its share of the rate, or neither: a call refused for rate holds no slot, and one refused for
+//! concurrency spends no rate. With both on the same Redis backend, a call that gets its slot at
+//! once is decided in one script call. (`DistributedRateLimitLayer` stacked outside the
+//! concurrency layer works too, for the rate alone or a limiter elsewhere.)
+//!
 //! Uses an in-process backend unless `REDIS_URL` is set.
 
 mod support;
@@ -21,17 +27,23 @@ use std::time::{Duration, Instant};
 
 use tower::{BoxError, ServiceBuilder, ServiceExt, service_fn};
 use tower_distributed_limit::{
-    DistributedConcurrencyLimitLayer, DistributedRateLimitLayer, Error, MemoryBackend, RateLimiter,
-    Semaphore,
+    DistributedConcurrencyLimitLayer, Error, MemoryBackend, RateLimiter, Semaphore,
 };
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let sem = support::build(Semaphore::builder("example-llm-api").limit(2)).await?;
+    // One backend for both, so the two limits are decided in the same call.
+    let sem = Semaphore::builder("example-llm-api").limit(2);
     let rate = RateLimiter::builder("example-llm-api").rate(5, Duration::from_millis(200));
-    let rate = match std::env::var("REDIS_URL") {
-        Ok(url) => rate.build(support::redis(&url).await?)?,
-        Err(_) => rate.build(MemoryBackend::new())?,
+    let (sem, rate) = match std::env::var("REDIS_URL") {
+        Ok(url) => {
+            let redis = support::redis(&url).await?;
+            (sem.build(redis.clone())?, rate.build(redis)?)
+        }
+        Err(_) => {
+            let memory = MemoryBackend::new();
+            (sem.build(memory.clone())?, rate.build(memory)?)
+        }
     };
     let started = Instant::now();
     let upstream = service_fn(move |req: http::Request<String>| async move {
@@ -42,11 +54,10 @@ async fn main() -> Result<(), BoxError> {
             started.elapsed().as_millis()
         ))
     });
-    // Outermost first: the rate check (one script call; a refusal spends nothing), then a
-    // global concurrency slot. A caller refused for rate waits the `retry_after` it was told.
+    // A global slot and the global rate, all or nothing. A caller refused for rate waits the
+    // `retry_after` it was told.
     let client = ServiceBuilder::new()
-        .layer(DistributedRateLimitLayer::new(rate))
-        .layer(DistributedConcurrencyLimitLayer::new(sem))
+        .layer(DistributedConcurrencyLimitLayer::new(sem).rate_limit(rate))
         .service(upstream);
 
     // Joined in this task rather than spawned: spawning trips a compiler limitation

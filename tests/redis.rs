@@ -528,14 +528,25 @@ async fn the_line_always_expires() {
             })
             .await;
             for key in keys {
-                let ttl: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await.unwrap();
-                assert!((1..=4500).contains(&ttl), "round {round}: {key} TTL {ttl} ms");
+                let ttl: i64 = redis::cmd("PTTL")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                assert!(
+                    (1..=4500).contains(&ttl),
+                    "round {round}: {key} TTL {ttl} ms"
+                );
             }
         }
         // The line vanishes behind the script's back; the next joins must give it a TTL again.
         for waiter in waiters.drain(..) {
             waiter.abort();
         }
-        let _: () = redis::cmd("DEL").arg(&keys[..]).query_async(&mut conn).await.unwrap();
+        let _: () = redis::cmd("DEL")
+            .arg(&keys[..])
+            .query_async(&mut conn)
+            .await
+            .unwrap();
     }
 }
