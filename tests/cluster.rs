@@ -471,3 +471,86 @@ async fn a_grant_lost_in_a_failover_is_reported_lost() {
         .expect("the new master grants");
     drop(again);
 }
+
+/// `rate_limit` on a cluster: a limiter named like its semaphore shares its slot, so a request
+/// is decided in one script call on the owning node; a limiter in another slot (on another
+/// node) is never sent with the acquire (that would be a CROSSSLOT error) but checked after
+/// it, all or nothing all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_is_one_call_in_one_slot_and_two_across_nodes() {
+    use tower::{ServiceExt, service_fn};
+    use tower_distributed_limit::{DistributedConcurrencyLimitLayer, RateLimiter};
+    let cluster = Cluster::start().await;
+    let names = cluster.one_name_per_node().await;
+    let backend = RedisBackend::connect_cluster(&cluster.urls).await.unwrap();
+    for (rate_name, calls_per_request) in [(&names[0], 1), (&names[1], 2)] {
+        let sem = semaphore(&names[0], backend.clone());
+        let rate = RateLimiter::builder(rate_name)
+            .rate(3, Duration::from_secs(3600))
+            .build(backend.clone())
+            .unwrap();
+        // Both scripts known to their nodes, so every call below is one EVALSHA.
+        assert!(rate.check().await.unwrap().allowed);
+        drop(sem.try_acquire().await.unwrap());
+        sem.available_permits().await.unwrap();
+        let entered = Arc::new(tokio::sync::Notify::new());
+        let finish = Arc::new(tokio::sync::Notify::new());
+        let svc = tower::Layer::layer(
+            &DistributedConcurrencyLimitLayer::new(sem.clone())
+                .rate_limit(rate)
+                .reject_when_full(),
+            service_fn({
+                let (entered, finish) = (entered.clone(), finish.clone());
+                move |()| {
+                    let (entered, finish) = (entered.clone(), finish.clone());
+                    async move {
+                        entered.notify_one();
+                        finish.notified().await;
+                        Ok::<_, tower::BoxError>(())
+                    }
+                }
+            }),
+        );
+        let calls = || async {
+            let mut total = 0;
+            for node in 0..cluster.urls.len() {
+                total += cluster.evalsha_calls(node).await;
+            }
+            total
+        };
+        let before = calls().await;
+        let mut request = tokio::spawn(svc.clone().oneshot(()));
+        tokio::select! {
+            () = entered.notified() => {}
+            done = &mut request => panic!("limiter {rate_name}: the request ended first: {done:?}"),
+            () = tokio::time::sleep(Duration::from_secs(10)) => panic!("the service never ran"),
+        }
+        assert_eq!(
+            calls().await - before,
+            calls_per_request,
+            "limiter {rate_name}: script calls before the service ran"
+        );
+        finish.notify_one();
+        request.await.unwrap().unwrap();
+        let mut second = tokio::spawn(svc.clone().oneshot(()));
+        tokio::select! {
+            () = entered.notified() => {}
+            done = &mut second => panic!("limiter {rate_name}: the request ended first: {done:?}"),
+            () = tokio::time::sleep(Duration::from_secs(10)) => panic!("the service never ran"),
+        }
+        finish.notify_one();
+        second.await.unwrap().unwrap();
+        let refused = svc.clone().oneshot(()).await.unwrap_err();
+        assert!(
+            matches!(
+                refused.downcast_ref::<Error>(),
+                Some(Error::RateLimited { .. })
+            ),
+            "limiter {rate_name}: {refused}"
+        );
+        support::eventually(Duration::from_secs(5), "no permit kept", || async {
+            sem.available_permits().await.unwrap() == 1
+        })
+        .await;
+    }
+}
