@@ -550,3 +550,50 @@ async fn the_line_always_expires() {
             .unwrap();
     }
 }
+
+/// A runtime that goes away with acquire calls in flight and acquires queued behind them (its
+/// tasks dropped mid-call, unstarted, or waiting) leaves the semaphore usable from another
+/// runtime: nobody waits for a call that will never be answered, and no slot is lost for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_that_goes_away_mid_batch_leaves_the_semaphore_usable() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("vanishing")
+        .limit(64)
+        .lease(Duration::from_secs(2))
+        .build(redis.backend().await)
+        .unwrap();
+    drop(sem.try_acquire().await.unwrap());
+    for round in 0..5u64 {
+        let doomed = sem.clone();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                for _ in 0..32 {
+                    let sem = doomed.clone();
+                    tokio::spawn(async move {
+                        let _held = sem.acquire().await;
+                        std::future::pending::<()>().await;
+                    });
+                }
+                // Long enough for the first call to be on the wire, with the rest queued.
+                tokio::time::sleep(Duration::from_micros(100 * round)).await;
+            });
+            // Dropped here, with calls in flight and acquires queued behind them.
+        })
+        .join()
+        .unwrap();
+        let permit = tokio::time::timeout(Duration::from_secs(3), sem.try_acquire())
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the next acquire hung"))
+            .unwrap();
+        assert!(permit.is_some(), "round {round}: no slot");
+    }
+    // Whatever the dropped runtimes were granted comes back, at the latest with the lease.
+    eventually(Duration::from_secs(6), "every slot back", || async {
+        sem.available_permits().await.unwrap() == 64
+    })
+    .await;
+}

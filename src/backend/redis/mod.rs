@@ -716,3 +716,23 @@ fn redis_error(e: RedisError, what: &str) -> Error {
     };
     Error::backend(message, Some(Box::new(e) as _))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_tags_follow_redis_cluster_rules() {
+        assert_eq!(slot_tag("dlimit:{api}:holders"), "api");
+        assert_eq!(slot_tag("dlimit:{api}:rate"), slot_tag("dlimit:{api}:meta"));
+        // The first `{` and the first `}` after it; an empty tag hashes the whole key.
+        assert_eq!(slot_tag("a{b}c{d}"), "b");
+        assert_eq!(slot_tag("x{}y{z}"), "x{}y{z}");
+        assert_eq!(slot_tag("no-braces"), "no-braces");
+        assert_eq!(slot_tag("open{only"), "open{only");
+        // A prefix with braces of its own decides the slot, as Redis would.
+        assert_eq!(slot_tag("app{1}:{api}:rate"), "1");
+        // Names are encoded, so a hostile name cannot end the tag early.
+        assert_eq!(slot_tag(&format!("dlimit:{}:rate", hash_tag("}x"))), "%7Dx");
+    }
+}
