@@ -597,3 +597,48 @@ async fn a_runtime_that_goes_away_mid_batch_leaves_the_semaphore_usable() {
     })
     .await;
 }
+
+/// A grant to a waiter is announced on its own process's channel only
+/// (`<prefix>{name}:granted:<the first 8 hex digits of its id>`), so other processes' connections
+/// do not carry it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_is_announced_to_its_own_process_only() {
+    use futures_util::StreamExt;
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("fanout")
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(10))
+        .build(redis.backend().await)
+        .unwrap();
+    let mut pubsub = redis::Client::open(redis.url.as_str())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    pubsub.psubscribe("dlimit:{fanout}:granted*").await.unwrap();
+    let held = sem.acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire().await.map(|permit| permit.id().to_owned()) }
+    });
+    eventually(Duration::from_secs(5), "the waiter to queue", || async {
+        redis.queue_len("fanout").await == 1
+    })
+    .await;
+    drop(held);
+    let message = tokio::time::timeout(Duration::from_secs(5), pubsub.on_message().next())
+        .await
+        .expect("the grant was announced")
+        .unwrap();
+    let id = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let payload: String = message.get_payload().unwrap();
+    assert!(payload.starts_with(&id), "announced {payload:?} for {id}");
+    assert_eq!(
+        message.get_channel_name(),
+        format!("dlimit:{{fanout}}:granted:{}", &id[..8])
+    );
+}

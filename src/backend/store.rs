@@ -42,13 +42,25 @@ pub(crate) struct Member {
 /// The random id's length: 128 bits in hex.
 const ID_LEN: usize = 32;
 
+/// The id's first hex digits: this process's tag (32 random bits drawn once), so a backend can
+/// tell which process a member belongs to (Redis announces a grant on that process's channel
+/// only). The other 96 bits are drawn per member.
+pub(crate) const TAG_LEN: usize = 8;
+
+/// This process's tag, as the first [`TAG_LEN`] hex digits of every member id.
+pub(crate) fn process_tag() -> u32 {
+    static TAG: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *TAG.get_or_init(|| fastrand::u32(..))
+}
+
 impl Member {
-    /// A fresh holder id, never reused.
+    /// A fresh holder id, never reused: this process's tag, then 96 random bits.
     pub(crate) fn new(weight: u32, lease: Duration) -> Self {
         use std::fmt::Write;
         const HEX: &[u8; 16] = b"0123456789abcdef";
         // By hand: `{:032x}` of a u128 is a measurable share of an in-process acquire.
-        let id = fastrand::u128(..);
+        let tag_bits = 4 * TAG_LEN as u32;
+        let id = (u128::from(process_tag()) << (128 - tag_bits)) | (fastrand::u128(..) >> tag_bits);
         let mut text = String::with_capacity(ID_LEN + 16);
         text.extend(
             (0..ID_LEN)
@@ -188,6 +200,7 @@ mod tests {
         );
         assert_eq!(rest, ":3:1500");
         assert_eq!(member.id(), id);
+        assert_eq!(id[..TAG_LEN], format!("{:08x}", process_tag()));
         assert_ne!(Member::new(3, Duration::from_millis(1500)), member);
     }
 }

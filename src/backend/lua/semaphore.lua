@@ -12,12 +12,12 @@
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
 -- KEYS[6] (acquire only, optional) a rate limiter's key, decided with the acquires
--- A member is "<holder id>:<weight>:<lease ms>". All keys share one hash tag (one Cluster
--- slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
+-- A member is "<holder id>:<weight>:<lease ms>", the id's first 8 hex digits naming its
+-- process. All keys share one hash tag (one Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
 -- when nothing is held past that horizon); queue and alive expire with the latest waiter
 -- deadline.
 --
--- ARGV: operation, channel, its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
+-- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
 -- patience ms, claim ms, k, then k members to release
 -- (holders or waiters; absent ones are ignored), then the operation's arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
@@ -43,8 +43,8 @@
 -- adds it to the moment it sent the call never believes a lease past the server's.
 -- Whenever queued waiters fit they are admitted in arrival order, each with a provisional lease
 -- of at most `claim` ms (and half its lease) that the waiter's process claims (touch or renew)
--- to get its full lease; each grant is published on the channel as "<member> <token> <deadline
--- ms>". "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
+-- to get its full lease; each grant is published as "<member> <token> <deadline ms>" on
+-- "<channel>:<the member's process>", which only that process subscribes to. "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
 local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op, channel, publisher, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -220,14 +220,25 @@ if waiting > 0 then
     redis.call('ZREM', queue, member)
     redis.call('ZREM', alive, member)
   end
+  -- The line's head, read a few at a time: a release usually admits one waiter and finds the
+  -- next one not fitting, which one read answers. Every member read is taken out of the line
+  -- before the next read, so a read always starts at the new head.
+  local head, at = {}, 1
+  local function oldest()
+    if at > #head then
+      head, at = redis.call('ZRANGE', queue, 0, 3), 1
+    end
+    at = at + 1
+    return head[at - 1]
+  end
   while true do
-    local member = redis.call('ZRANGE', queue, 0, 0)[1]
+    local member = oldest()
     while member and parse(member) > limit do
       -- Heavier than the limit now in force: it would block the line for ever. Dropped, it
       -- learns at its next refresh and is refused.
       redis.call('ZREM', queue, member)
       redis.call('ZREM', alive, member)
-      member = redis.call('ZRANGE', queue, 0, 0)[1]
+      member = oldest()
     end
     local weight, lease = 0, 0
     if member then
@@ -242,7 +253,9 @@ if waiting > 0 then
       local term = math.min(claim, math.max(math.floor(lease / 2), 1))
       local token, deadline = grant(member, weight, lease, term)
       granted[member] = token
-      redis.call(publisher, channel, member .. ' ' .. int(token) .. ' ' .. int(deadline))
+      -- On the channel of the member's process only (its id starts with the process's tag).
+      redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
+        member .. ' ' .. int(token) .. ' ' .. int(deadline))
     end
   end
 end

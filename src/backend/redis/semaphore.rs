@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::{Connection, Lua, RedisBackend, hash_tag, invoke, redis_error, slot_tag};
 use crate::Error;
 use crate::backend::gcra::{RateKey, Rated};
-use crate::backend::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
+use crate::backend::store::{Attempt, Member, Mode, Opened, Store, process_tag, sealed::Open};
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{CLAIM, ClockReading, PATIENCE, Refresh, Status};
@@ -32,8 +32,10 @@ impl Open for RedisBackend {
     fn open(&self, name: &str, limit: u32) -> Opened {
         let base = format!("{}{}", self.prefix, hash_tag(name));
         let channel = format!("{base}:granted");
-        // Grants reach the waitlist through the hub, by channel.
-        let waitlist = self.shared.hub.waitlist(&channel);
+        // Grants to this process's members are announced on its own channel (see the script),
+        // and reach the waitlist through the hub.
+        let mine = format!("{channel}:{:08x}", process_tag());
+        let waitlist = self.shared.hub.waitlist(&mine);
         let store = Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
             shared: self.shared.clone(),
@@ -52,6 +54,8 @@ struct RedisSemaphore {
     /// Keeps the connection and the announcement hub alive as long as the semaphore.
     shared: Arc<Connection>,
     keys: [String; 5],
+    /// Where grants are announced: `<channel>:<process tag>`, the tag being the first hex
+    /// digits of the member's id.
     channel: String,
     /// The limit this process was built with; the one in force is stored with the semaphore.
     limit: u32,
