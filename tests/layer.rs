@@ -1217,3 +1217,61 @@ async fn tonic_servers_answer_refusals_with_a_grpc_status() {
     assert!(http_body::Body::is_end_stream(response.body()));
     drop(held);
 }
+
+/// The combined check in the gRPC flavour: a request over the rate gets `RESOURCE_EXHAUSTED`
+/// (saying it is the rate limit), through a real tonic server and client.
+#[cfg(feature = "tonic")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tonic_clients_see_the_rate_limit_of_the_combined_check() {
+    use tonic::Code;
+    use tonic::transport::{Endpoint, Server};
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    use tower_distributed_limit::RateLimiter;
+
+    let backend = MemoryBackend::new();
+    let sem = semaphore("grpc-rate", 4, backend.clone());
+    let rate = RateLimiter::builder("grpc-rate")
+        .rate(1, Duration::from_secs(3600))
+        .build(backend)
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    tokio::spawn(
+        Server::builder()
+            .layer(
+                DistributedConcurrencyLimitLayer::new(sem.clone())
+                    .rate_limit(rate)
+                    .grpc(),
+            )
+            .add_service(health)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let channel = bounded(
+        "a connection",
+        Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect(),
+    )
+    .await
+    .unwrap();
+    let mut client = HealthClient::new(channel);
+    let check = || HealthCheckRequest {
+        service: String::new(),
+    };
+    bounded("the first check", client.check(check()))
+        .await
+        .unwrap();
+    let status = bounded("a refusal", client.check(check()))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("rate limit"), "{status:?}");
+    bounded("the permits back", async {
+        while sem.available_permits().await.unwrap() != 4 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+}
