@@ -40,6 +40,11 @@ const DEFAULT_BODY: &str = "rate limit reached; retry after the time in Retry-Af
 /// A failing backend is decided by the limiter's [`OutagePolicy`](crate::OutagePolicy); when
 /// it refuses, the generic flavour fails with [`Error::Backend`] and the HTTP one answers 503.
 ///
+/// To cap both how many start and how many run at once, prefer
+/// [`DistributedConcurrencyLimitLayer::rate_limit`](crate::DistributedConcurrencyLimitLayer::rate_limit):
+/// all or nothing, and one script call for both on one Redis. Stacked in front of the
+/// concurrency layer, this layer spends the rate of requests the concurrency limit then refuses.
+///
 /// # Example
 ///
 /// ```
