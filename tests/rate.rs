@@ -599,3 +599,129 @@ async fn the_combined_check_across_backends_and_its_http_answer() {
     )
     .await;
 }
+
+/// The combined check while Redis is down: each limit's own outage policy decides. Both open:
+/// the request runs, on the semaphore's in-process fallback. Either closed: it is refused with
+/// `Error::Backend`, and the in-process permit taken meanwhile is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_combined_check_follows_each_outage_policy() {
+    let mut redis = Redis::start().await;
+    let backend = RedisBackend::builder(redis.url.as_str())
+        .call_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let sem = |policy| {
+        Semaphore::builder("outage-combo")
+            .limit(2)
+            .on_outage(policy)
+            .build(backend.clone())
+            .unwrap()
+    };
+    let rate = |policy| {
+        RateLimiter::builder("outage-combo")
+            .rate(10, Duration::from_secs(60))
+            .on_outage(policy)
+            .build(backend.clone())
+            .unwrap()
+    };
+    let open_sem = sem(OutagePolicy::Local { limit: 1 });
+    let service = |sem: &Semaphore, rate: RateLimiter| {
+        tower::ServiceBuilder::new()
+            .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).rate_limit(rate))
+            .service(service_fn(|()| async { Ok::<_, tower::BoxError>(()) }))
+    };
+    service(&open_sem, rate(OutagePolicy::FailOpen))
+        .oneshot(())
+        .await
+        .expect("Redis is up");
+    redis.kill();
+    service(&open_sem, rate(OutagePolicy::FailOpen))
+        .oneshot(())
+        .await
+        .expect("both policies admit");
+    let closed_rate = service(&open_sem, rate(OutagePolicy::FailClosed))
+        .oneshot(())
+        .await;
+    assert!(matches!(refusal(closed_rate), Some(Error::Backend(_))));
+    // The fallback semaphore (limit 1) got its permit back: the next request is admitted.
+    service(&open_sem, rate(OutagePolicy::FailOpen))
+        .oneshot(())
+        .await
+        .expect("the fallback's permit came back");
+    let closed_sem = sem(OutagePolicy::FailClosed);
+    let refused = service(&closed_sem, rate(OutagePolicy::FailOpen))
+        .oneshot(())
+        .await;
+    assert!(matches!(refusal(refused), Some(Error::Backend(_))));
+}
+
+/// A storm of concurrent requests through `rate_limit` (so acquires share script calls, each
+/// carrying the rate): never more than the limit at once, never more admitted than the burst,
+/// and every refused request spent nothing: what is left of the burst is exactly the burst
+/// minus the admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_through_the_combined_check_spends_exactly_what_it_admits() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let sem = Semaphore::builder("storm")
+        .limit(5)
+        .build(backend.clone())
+        .unwrap();
+    let rate = limiter("storm", 1, Duration::from_secs(3600), 40, backend);
+    let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let svc = tower::ServiceBuilder::new()
+        .layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .rate_limit(rate.clone())
+                .reject_when_full(),
+        )
+        .service(service_fn({
+            let (running, most) = (running.clone(), most.clone());
+            move |()| {
+                let (running, most) = (running.clone(), most.clone());
+                async move {
+                    let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    running.fetch_sub(1, Ordering::SeqCst);
+                    Ok::<_, tower::BoxError>(())
+                }
+            }
+        }));
+    let mut admitted: u32 = 0;
+    for _ in 0..4 {
+        let results =
+            futures_util::future::join_all((0..100).map(|_| svc.clone().oneshot(()))).await;
+        for result in results {
+            match refusal(result) {
+                None => admitted += 1,
+                Some(Error::Full | Error::RateLimited { .. }) => {}
+                Some(other) => panic!("unexpected refusal: {other}"),
+            }
+        }
+    }
+    assert!(
+        most.load(Ordering::SeqCst) <= 5,
+        "{} at once",
+        most.load(Ordering::SeqCst)
+    );
+    assert!(admitted > 0 && admitted <= 40, "{admitted} admitted");
+    // With 1 per hour, nothing refills during the test.
+    let left = 40 - admitted;
+    let next = rate.check_n(1).await.unwrap();
+    assert_eq!(next.allowed, left > 0, "{admitted} admitted: {next:?}");
+    if left > 0 {
+        assert_eq!(
+            next.remaining + 1,
+            left,
+            "the refused requests spent rate ({admitted} admitted)"
+        );
+    }
+    support::eventually(Duration::from_secs(5), "every permit back", || async {
+        sem.available_permits().await.unwrap() == 5
+    })
+    .await;
+}
