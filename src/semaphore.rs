@@ -331,8 +331,7 @@ impl Semaphore {
     /// or does not answer within its own call timeout gives [`Error::Backend`], or what the
     /// semaphore's [`OutagePolicy`] says.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
-        let span = self.span(weight, "wait");
-        self.acquire_in_span(weight, None).instrument(span).await
+        self.acquire_with(weight, None).await
     }
 
     /// A span per acquisition (target `tower_distributed_limit::acquire`, DEBUG) with the
@@ -361,32 +360,32 @@ impl Semaphore {
                 cost: weight,
             });
         if wait {
-            let span = self.span(weight, "wait");
-            self.acquire_in_span(weight, rated.as_ref())
-                .instrument(span)
-                .await
+            self.acquire_with(weight, rated.as_ref()).await
         } else {
-            let span = self.span(weight, "once");
-            self.try_in_span(weight, rated.as_ref())
-                .instrument(span)
+            self.try_with(weight, rated.as_ref())
                 .await?
                 .ok_or(Error::Full)
         }
     }
 
-    async fn acquire_in_span(&self, weight: u32, rate: Option<&Rated>) -> Result<Permit, Error> {
-        self.check_weight(weight)?;
-        let started = Instant::now();
-        let deadline = deadline_after(started, self.inner.settings.acquire_timeout);
-        let result = match self.wait_for(weight, started, deadline, rate).await {
-            Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
-                Ok(fallback) => fallback.wait_for(weight, started, deadline, None).await,
-                Err(e) => Err(e),
-            },
-            other => other,
-        };
-        self.report(result.as_ref().map(Some), started);
-        result
+    /// `acquire_many`, with the rate limit it may decide in the same call.
+    async fn acquire_with(&self, weight: u32, rate: Option<&Rated>) -> Result<Permit, Error> {
+        async {
+            self.check_weight(weight)?;
+            let started = Instant::now();
+            let deadline = deadline_after(started, self.inner.settings.acquire_timeout);
+            let result = match self.wait_for(weight, started, deadline, rate).await {
+                Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
+                    Ok(fallback) => fallback.wait_for(weight, started, deadline, None).await,
+                    Err(e) => Err(e),
+                },
+                other => other,
+            };
+            self.report(result.as_ref().map(Some), started);
+            result
+        }
+        .instrument(self.span(weight, "wait"))
+        .await
     }
 
     /// Counts how an acquisition ended: a permit, none (full), or an error.
@@ -422,26 +421,26 @@ impl Semaphore {
     /// A weight of 0 or above the limit fails with [`Error::Config`]; a failing backend with
     /// [`Error::Backend`], or what the semaphore's [`OutagePolicy`] says.
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
-        let span = self.span(weight, "once");
-        self.try_in_span(weight, None).instrument(span).await
+        self.try_with(weight, None).await
     }
 
-    async fn try_in_span(
-        &self,
-        weight: u32,
-        rate: Option<&Rated>,
-    ) -> Result<Option<Permit>, Error> {
-        self.check_weight(weight)?;
-        let started = Instant::now();
-        let result = match self.try_once(weight, rate).await {
-            Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
-                Ok(fallback) => fallback.try_once(weight, None).await,
-                Err(e) => Err(e),
-            },
-            other => other,
-        };
-        self.report(result.as_ref().map(Option::as_ref), started);
-        result
+    /// `try_acquire_many`, with the rate limit it may decide in the same call.
+    async fn try_with(&self, weight: u32, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
+        async {
+            self.check_weight(weight)?;
+            let started = Instant::now();
+            let result = match self.try_once(weight, rate).await {
+                Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
+                    Ok(fallback) => fallback.try_once(weight, None).await,
+                    Err(e) => Err(e),
+                },
+                other => other,
+            };
+            self.report(result.as_ref().map(Option::as_ref), started);
+            result
+        }
+        .instrument(self.span(weight, "once"))
+        .await
     }
 
     async fn try_once(&self, weight: u32, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {

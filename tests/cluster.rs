@@ -518,13 +518,21 @@ async fn rate_limit_is_one_call_in_one_slot_and_two_across_nodes() {
             }
             total
         };
+        // Starts a request and returns once the service runs it (bounded; a request that ends
+        // first is a failure, shown with its result). Its task is handed back, to be awaited
+        // once the test lets the service finish.
+        #[allow(clippy::async_yields_async)]
+        let start = || async {
+            let mut request = tokio::spawn(svc.clone().oneshot(()));
+            tokio::select! {
+                () = entered.notified() => {}
+                done = &mut request => panic!("limiter {rate_name}: the request ended first: {done:?}"),
+                () = tokio::time::sleep(Duration::from_secs(10)) => panic!("the service never ran"),
+            }
+            request
+        };
         let before = calls().await;
-        let mut request = tokio::spawn(svc.clone().oneshot(()));
-        tokio::select! {
-            () = entered.notified() => {}
-            done = &mut request => panic!("limiter {rate_name}: the request ended first: {done:?}"),
-            () = tokio::time::sleep(Duration::from_secs(10)) => panic!("the service never ran"),
-        }
+        let request = start().await;
         assert_eq!(
             calls().await - before,
             calls_per_request,
@@ -532,12 +540,7 @@ async fn rate_limit_is_one_call_in_one_slot_and_two_across_nodes() {
         );
         finish.notify_one();
         request.await.unwrap().unwrap();
-        let mut second = tokio::spawn(svc.clone().oneshot(()));
-        tokio::select! {
-            () = entered.notified() => {}
-            done = &mut second => panic!("limiter {rate_name}: the request ended first: {done:?}"),
-            () = tokio::time::sleep(Duration::from_secs(10)) => panic!("the service never ran"),
-        }
+        let second = start().await;
         finish.notify_one();
         second.await.unwrap().unwrap();
         let refused = svc.clone().oneshot(()).await.unwrap_err();
@@ -548,9 +551,6 @@ async fn rate_limit_is_one_call_in_one_slot_and_two_across_nodes() {
             ),
             "limiter {rate_name}: {refused}"
         );
-        support::eventually(Duration::from_secs(5), "no permit kept", || async {
-            sem.available_permits().await.unwrap() == 1
-        })
-        .await;
+        support::wait_until_available(&sem, 1).await;
     }
 }

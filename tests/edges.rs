@@ -146,12 +146,7 @@ async fn a_permit_dropped_off_the_runtime_does_not_stall_later_releases() {
     let second = sem.acquire().await.unwrap();
     std::thread::spawn(move || drop(first)).join().unwrap();
     drop(second);
-    eventually(
-        Duration::from_secs(5),
-        "both permits to be released",
-        || async { observer.available_permits().await.unwrap() == 2 },
-    )
-    .await;
+    support::wait_until_available(&observer, 2).await;
 }
 
 /// `holders` evicted or deleted while `meta` survives: the semaphore must not go on counting

@@ -533,12 +533,7 @@ async fn a_request_granted_from_the_line_spends_its_rate_then() {
             );
         }
     }
-    support::eventually(
-        Duration::from_secs(5),
-        "the refused request's permit back",
-        || async { sem.available_permits().await.unwrap() == 1 },
-    )
-    .await;
+    support::wait_until_available(&sem, 1).await;
 }
 
 /// The limiter on another backend than the semaphore: two calls, still all or nothing; the
@@ -572,10 +567,7 @@ async fn the_combined_check_across_backends_and_its_http_answer() {
     let full = svc.clone().oneshot(request()).await.unwrap();
     assert_eq!(full.status(), 503, "full: refused for concurrency");
     drop(held);
-    support::eventually(Duration::from_secs(5), "the slot back", || async {
-        sem.available_permits().await.unwrap() == 1
-    })
-    .await;
+    support::wait_until_available(&sem, 1).await;
     let ok = svc.clone().oneshot(request()).await.unwrap();
     assert_eq!(
         ok.status(),
@@ -592,12 +584,7 @@ async fn the_combined_check_across_backends_and_its_http_answer() {
         .unwrap();
     assert!(retry > 3000, "Retry-After: {retry}");
     drop(limited);
-    support::eventually(
-        Duration::from_secs(5),
-        "the refused request's permit back",
-        || async { sem.available_permits().await.unwrap() == 1 },
-    )
-    .await;
+    support::wait_until_available(&sem, 1).await;
 }
 
 /// The combined check while Redis is down: each limit's own outage policy decides. Both open:
@@ -720,8 +707,5 @@ async fn a_storm_through_the_combined_check_spends_exactly_what_it_admits() {
             "the refused requests spent rate ({admitted} admitted)"
         );
     }
-    support::eventually(Duration::from_secs(5), "every permit back", || async {
-        sem.available_permits().await.unwrap() == 5
-    })
-    .await;
+    support::wait_until_available(&sem, 5).await;
 }

@@ -462,12 +462,7 @@ async fn a_request_costs_about_one_call_under_concurrency() {
         per_request < 1.1,
         "{per_request:.2} script calls per request"
     );
-    eventually(
-        Duration::from_secs(5),
-        "every release to arrive",
-        || async { sem.available_permits().await.unwrap() == 64 },
-    )
-    .await;
+    support::wait_until_available(&sem, 64).await;
 }
 
 /// Acquires cancelled while they wait for the call in flight, or while their own call is in
@@ -493,12 +488,7 @@ async fn acquires_cancelled_in_the_batch_leak_nothing() {
         });
         futures_util::future::join_all(attempts).await;
     }
-    eventually(
-        Duration::from_secs(5),
-        "every slot to come back",
-        || async { sem.available_permits().await.unwrap() == 8 },
-    )
-    .await;
+    support::wait_until_available(&sem, 8).await;
     // And the semaphore still serves a full house.
     let held: Vec<_> = futures_util::future::join_all((0..8).map(|_| sem.try_acquire())).await;
     assert!(held.iter().all(|p| matches!(p, Ok(Some(_)))));
@@ -592,10 +582,7 @@ async fn a_runtime_that_goes_away_mid_batch_leaves_the_semaphore_usable() {
         assert!(permit.is_some(), "round {round}: no slot");
     }
     // Whatever the dropped runtimes were granted comes back, at the latest with the lease.
-    eventually(Duration::from_secs(6), "every slot back", || async {
-        sem.available_permits().await.unwrap() == 64
-    })
-    .await;
+    support::wait_until_available(&sem, 64).await;
 }
 
 /// A grant to a waiter is announced on its own process's channel only

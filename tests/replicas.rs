@@ -80,10 +80,7 @@ async fn grants_wait_for_the_replica_and_fail_without_it() {
         .unwrap()
         .expect("the announced grant is confirmed");
     drop(permit);
-    eventually(Duration::from_secs(5), "the slot to come back", || async {
-        sem.available_permits().await.unwrap() == 1
-    })
-    .await;
+    support::wait_until_available(&sem, 1).await;
 
     // The replica stops acknowledging: no grant counts, each refusal is bounded.
     signal(replica.pid(), "STOP");
@@ -102,12 +99,7 @@ async fn grants_wait_for_the_replica_and_fail_without_it() {
     // The slot the unacknowledged acquire took on the master was given back.
     signal(replica.pid(), "CONT");
     let plain = semaphore(master.backend().await);
-    eventually(
-        Duration::from_secs(5),
-        "the unacknowledged grants to be given back",
-        || async { plain.available_permits().await.unwrap() == 1 },
-    )
-    .await;
+    support::wait_until_available(&plain, 1).await;
     // And with the replica back, grants count again.
     eventually(Duration::from_secs(5), "grants to count again", || async {
         sem.try_acquire().await.is_ok_and(|p| p.is_some())

@@ -57,15 +57,6 @@ fn sem(backend: impl Backend, limit: u32) -> Semaphore {
         .expect("valid settings")
 }
 
-async fn wait_until_available(sem: &Semaphore, expected: u32) {
-    eventually(
-        Duration::from_secs(5),
-        &format!("{expected} permits to be available"),
-        || async { sem.available_permits().await.unwrap() == expected },
-    )
-    .await;
-}
-
 fn assert_config(result: Result<impl std::fmt::Debug, Error>, mentions: &str) {
     match result {
         Err(Error::Config(message)) => assert!(
@@ -151,7 +142,7 @@ async fn weighted_permits_add_up(backend: impl Backend + Clone) {
     assert_eq!(sem.available_permits().await.unwrap(), 3);
     let _three_again = sem.try_acquire_many(3).await.unwrap().expect("3 free");
     drop(two);
-    wait_until_available(&sem, 2).await;
+    support::wait_until_available(&sem, 2).await;
 }
 
 async fn try_acquire_on_a_full_semaphore(backend: impl Backend + Clone) {
@@ -207,7 +198,7 @@ async fn cancelled_acquires_leak_nothing(backend: impl Backend + Clone) {
         waiter.await.unwrap();
     }
     drop(held);
-    wait_until_available(&sem, 3).await;
+    support::wait_until_available(&sem, 3).await;
     // ...and acquires aborted at every point of their round trip while permits are free.
     let mut tasks = Vec::new();
     for i in 0..200u64 {
@@ -226,7 +217,7 @@ async fn cancelled_acquires_leak_nothing(backend: impl Backend + Clone) {
     for task in tasks {
         let _ = task.await;
     }
-    wait_until_available(&sem, 3).await;
+    support::wait_until_available(&sem, 3).await;
     // No cancelled waiter is left in the line either: a one-shot attempt, which never jumps
     // the line, gets everything.
     eventually(Duration::from_secs(5), "the line to empty", || async {
@@ -271,7 +262,7 @@ async fn dropped_permits_come_back(backend: impl Backend + Clone) {
     assert_eq!(sem.available_permits().await.unwrap(), 0);
     drop(a);
     drop(b);
-    wait_until_available(&sem, 2).await;
+    support::wait_until_available(&sem, 2).await;
 }
 
 async fn fencing_tokens_strictly_increase(backend: impl Backend + Clone) {

@@ -234,6 +234,17 @@ where
     }
 }
 
+/// Waits (at most 5 s) until `sem` has `expected` permits free across every process: the
+/// releases sent in the background have all arrived.
+pub async fn wait_until_available(sem: &tower_distributed_limit::Semaphore, expected: u32) {
+    eventually(
+        Duration::from_secs(5),
+        &format!("{expected} permits of {:?} to be available", sem.name()),
+        || async { sem.available_permits().await.unwrap() == expected },
+    )
+    .await;
+}
+
 pub const ROLE: &str = "DLIMIT_TEST_ROLE";
 pub const URL: &str = "DLIMIT_TEST_URL";
 

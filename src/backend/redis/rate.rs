@@ -29,7 +29,7 @@ impl OpenRate for RedisBackend {
             shared: self.shared.clone(),
             prefix: self.prefix.clone(),
             name: name.into(),
-            key: rate_key(&self.prefix, name),
+            key: rate_key(&self.prefix, name).into(),
             gcra,
         });
         Ok(OpenedRate { store })
@@ -45,7 +45,8 @@ struct RedisRate {
     shared: Arc<Connection>,
     prefix: Arc<str>,
     name: Arc<str>,
-    key: String,
+    /// Shared with the acquires that carry this limiter (`combinable`): no copy per request.
+    key: Arc<str>,
     gcra: Gcra,
 }
 
@@ -100,7 +101,7 @@ impl RateStore for RedisRate {
     fn combinable(&self) -> Option<RateKey> {
         Some(RateKey {
             backend: Arc::as_ptr(&self.shared) as usize,
-            key: self.key.as_str().into(),
+            key: self.key.clone(),
             gcra: self.gcra,
         })
     }

@@ -266,11 +266,7 @@ impl RedisSemaphore {
                 },
                 None => {
                     let mut sending = Sending::new(self);
-                    let limiter = rate.map(|rate| &rate.limiter);
-                    let cost = rate.map_or(0, |rate| rate.cost);
-                    let attempts = self
-                        .acquire_all(&[(&*member.text, mode, cost)], limiter, until)
-                        .await;
+                    let attempts = self.acquire_all(&[(&member.text, mode, rate)], until).await;
                     sending.answered = true;
                     return attempts?.pop().ok_or_else(|| {
                         Error::backend("the acquire call answered no member", None)
@@ -285,7 +281,9 @@ impl RedisSemaphore {
         // The oldest queued acquires that go with the same rate limiter (or none), in order.
         let queued: Vec<Queued> = {
             let mut outbox = sending.semaphore.outbox();
-            let limiter = |q: &Queued| q.rate.as_ref().map(|rate| rate.limiter.clone());
+            fn limiter(q: &Queued) -> Option<&RateKey> {
+                q.rate.as_ref().map(|rate| &rate.limiter)
+            }
             let first = outbox.acquires.first().and_then(limiter);
             let take = outbox
                 .acquires
@@ -295,25 +293,12 @@ impl RedisSemaphore {
                 .count();
             outbox.acquires.drain(..take).collect()
         };
-        let limiter = queued
-            .first()
-            .and_then(|q| q.rate.as_ref())
-            .map(|rate| &rate.limiter);
-        let members: Vec<(&str, Mode, u32)> = queued
+        let members: Vec<_> = queued
             .iter()
-            .map(|q| {
-                (
-                    &*q.member,
-                    q.mode,
-                    q.rate.as_ref().map_or(0, |rate| rate.cost),
-                )
-            })
+            .map(|q| (&q.member, q.mode, q.rate.as_ref()))
             .collect();
         let until = queued.iter().map(|q| q.until).max().flatten();
-        let attempts = sending
-            .semaphore
-            .acquire_all(&members, limiter, until)
-            .await;
+        let attempts = sending.semaphore.acquire_all(&members, until).await;
         sending.answered = true;
         match attempts {
             Ok(attempts) => {
@@ -361,14 +346,17 @@ impl RedisSemaphore {
         }
     }
 
-    /// One acquire call for `members` (each with its mode, and the cost it spends of `rate`
-    /// if granted at once), answered in order.
+    /// One acquire call for `members`, each with its mode and the rate it spends if granted at
+    /// once (every one the same limiter, or none), answered in order.
     async fn acquire_all(
         &self,
-        members: &[(&str, Mode, u32)],
-        rate: Option<&RateKey>,
+        members: &[(&Arc<str>, Mode, Option<&Rated>)],
         until: Option<Instant>,
     ) -> Result<Vec<Attempt>, Error> {
+        let rate = members
+            .first()
+            .and_then(|(_, _, rate)| *rate)
+            .map(|rate| &rate.limiter);
         let sent = Instant::now();
         let reply = self
             .run(
@@ -384,13 +372,14 @@ impl RedisSemaphore {
                             .arg(rate.gcra.burst),
                         None => script.arg(0).arg(0).arg(0),
                     };
-                    for &(member, mode, cost) in members {
+                    for &(member, mode, rated) in members {
                         let mode = if repeat && mode == Mode::Join {
                             Mode::Recheck
                         } else {
                             mode
                         };
-                        script.arg(member).arg(mode_word(mode)).arg(cost);
+                        let cost = rated.map_or(0, |rated| rated.cost);
+                        script.arg(&**member).arg(mode_word(mode)).arg(cost);
                     }
                 },
             )
