@@ -5,6 +5,7 @@
 //! touch that waiting needs) from `store.rs`, then list it below.
 
 mod gcra;
+mod health;
 mod memory;
 mod quorum;
 mod redis;

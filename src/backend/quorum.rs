@@ -62,6 +62,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use super::gcra::Rated;
+use super::health::{self, Health, Reconnect};
 use super::redis::{Channels, Pushes, manager_config, on_push, subscriber};
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
@@ -111,7 +112,7 @@ impl std::fmt::Debug for QuorumBackend {
 
 /// What clones of one `QuorumBackend` share.
 struct Nodes {
-    nodes: Vec<ConnectionManager>,
+    nodes: Vec<Arc<Node>>,
     hub: Arc<Hub>,
     drift_factor: f64,
     /// Every call to a node, reconnecting included, ends by then: a dead node slows no one.
@@ -202,8 +203,79 @@ impl QuorumBackendBuilder {
 
     /// Connects to every node. Fails with [`Error::Config`] for fewer than 3 URLs, a bad URL,
     /// a zero timeout or a drift factor outside 0..1, and with [`Error::Backend`] when fewer
-    /// than a majority of the nodes can be reached.
+    /// than a majority of the nodes can be reached. A node that cannot be reached now is
+    /// probed in the background and counts again once it answers.
     pub async fn connect(self) -> Result<QuorumBackend, Error> {
+        let connect_timeout = self.connect_timeout;
+        let backend = self.build()?;
+        let nodes = &backend.shared.nodes;
+        let pings = nodes.iter().map(|node| {
+            let ping = node.attempt();
+            async move { tokio::time::timeout(connect_timeout, ping).await }
+        });
+        let mut errors = Vec::new();
+        for (node, result) in nodes.iter().zip(join_all(pings).await) {
+            let error = match result {
+                Ok(Ok(())) => {
+                    node.health.started();
+                    continue;
+                }
+                Ok(Err(e)) => health::short(&e),
+                Err(_) => "no answer within the connect timeout".into(),
+            };
+            errors.push(format!("{}: {error}", node.health.label()));
+            health::start(node);
+        }
+        let total = nodes.len();
+        if total - errors.len() <= total / 2 {
+            return Err(Error::backend(
+                format!(
+                    "only {} of {total} quorum nodes could be reached ({}); a majority is needed \
+                     (connect_lazy starts without them)",
+                    total - errors.len(),
+                    errors.join("; ")
+                ),
+                None,
+            ));
+        }
+        if !errors.is_empty() {
+            tracing::warn!(errors = %errors.join("; "), "some quorum nodes are unreachable now; they count again once they answer");
+        }
+        Ok(backend)
+    }
+
+    /// Like [`connect`](Self::connect), but returns at once, whether the nodes are up or not:
+    /// each node starts down and comes up by itself when a background probe reaches it; until
+    /// a majority is up, every call fails at once with [`Error::Backend`] and the outage
+    /// policy decides. Fails only with [`Error::Config`] (including outside a tokio runtime).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::QuorumBackend;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let quorum = QuorumBackend::builder(&["redis://127.0.0.1:1", "redis://127.0.0.1:2", "redis://127.0.0.1:3"])
+    ///     .connect_lazy()
+    ///     .unwrap();
+    /// # let _ = quorum;
+    /// # }
+    /// ```
+    pub fn connect_lazy(self) -> Result<QuorumBackend, Error> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::config(
+                "connect_lazy needs a tokio runtime to reconnect on: call it inside one",
+            ));
+        }
+        let backend = self.build()?;
+        for node in &backend.shared.nodes {
+            health::start(node);
+        }
+        Ok(backend)
+    }
+
+    /// The backend, every node down until it is reached.
+    fn build(self) -> Result<QuorumBackend, Error> {
         let urls = self.urls?;
         if urls.len() < 3 {
             return Err(Error::config(format!(
@@ -227,49 +299,29 @@ impl QuorumBackendBuilder {
         let hub = Arc::new(Hub::new(Some(subscribe)));
         let notify = Arc::downgrade(&hub);
         let pushes: Pushes = Arc::new(move |push: PushInfo| on_push(&notify, push));
-        let total = urls.len();
         // Every node is kept, reachable now or not: a majority counts all of them, and a node
         // that comes back is used again.
         let config = manager_config(&pushes, self.call_timeout, self.connect_timeout);
+        let bound = self.connect_timeout + self.call_timeout;
         let nodes = urls
             .into_iter()
             .map(|info| {
+                let label = info.addr().to_string();
                 let settings = info
                     .redis_settings()
                     .clone()
                     .set_protocol(ProtocolVersion::RESP3);
                 let client = Client::open(info.set_redis_settings(settings))?;
-                ConnectionManager::new_lazy_with_config(client, config.clone())
+                Ok(Arc::new(Node {
+                    conn: ConnectionManager::new_lazy_with_config(client, config.clone())?,
+                    health: Health::new(label, bound, false),
+                    hub: Arc::downgrade(&hub),
+                }))
             })
             .collect::<RedisResult<Vec<_>>>()
             .map_err(|e| Error::config(format!("cannot use these Redis URLs: {e}")))?;
-        let pings = nodes.iter().map(|node| {
-            let mut node = node.clone();
-            let ping = async move { redis::cmd("PING").query_async::<String>(&mut node).await };
-            tokio::time::timeout(self.connect_timeout, ping)
-        });
-        let mut errors = Vec::new();
-        for result in join_all(pings).await {
-            match result {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => errors.push(e.to_string()),
-                Err(_) => errors.push("no answer within the connect timeout".into()),
-            }
-        }
-        if total - errors.len() <= total / 2 {
-            return Err(Error::backend(
-                format!(
-                    "only {} of {total} quorum nodes could be reached ({}); a majority is needed",
-                    total - errors.len(),
-                    errors.join("; ")
-                ),
-                None,
-            ));
-        }
-        if !errors.is_empty() {
-            tracing::warn!(errors = %errors.join("; "), "some quorum nodes are unreachable now; they count again once they answer");
-        }
-        tokio::spawn(subscriber(AllNodes(nodes.clone()), requests));
+        let conns = nodes.iter().map(|node| node.conn.clone()).collect();
+        tokio::spawn(subscriber(AllNodes(conns), requests));
         Ok(QuorumBackend {
             shared: Arc::new(Nodes {
                 nodes,
@@ -279,6 +331,32 @@ impl QuorumBackendBuilder {
             }),
             prefix: self.prefix.into(),
         })
+    }
+}
+
+/// One master of the quorum, up or down.
+struct Node {
+    conn: ConnectionManager,
+    health: Health,
+    hub: Weak<Hub>,
+}
+
+impl Reconnect for Node {
+    fn health(&self) -> &Health {
+        &self.health
+    }
+
+    async fn attempt(&self) -> RedisResult<()> {
+        redis::cmd("PING")
+            .query_async::<()>(&mut self.conn.clone())
+            .await
+    }
+
+    fn reconnected(&self) {
+        // A node back may make a majority again: the waiters try now.
+        if let Some(hub) = self.hub.upgrade() {
+            hub.touch_everyone();
+        }
     }
 }
 
@@ -355,8 +433,9 @@ impl QuorumSemaphore {
             .nodes
             .iter()
             .enumerate()
+            .filter(|(_, node)| health::gate(node).is_ok())
             .map(|(index, node)| {
-                let mut node = node.clone();
+                let node = node.clone();
                 let mut invocation = SCRIPT.prepare_invoke();
                 for key in &self.keys {
                     invocation.key(key);
@@ -368,14 +447,19 @@ impl QuorumSemaphore {
                 let bound = self.shared.call_timeout;
                 async move {
                     tracing::trace!(target: "tower_distributed_limit::redis", op, "quorum call");
-                    let call = invocation.invoke_async::<Value>(&mut node);
+                    let mut conn = node.conn.clone();
+                    let call = invocation.invoke_async::<Value>(&mut conn);
                     let answer = match tokio::time::timeout(bound, call).await {
                         Ok(Ok(value)) => Some(value),
                         Ok(Err(e)) => {
                             tracing::debug!(op, error = %e, "a quorum node failed");
+                            health::failed(&node, &e);
                             None
                         }
-                        Err(_) => None,
+                        Err(_) => {
+                            health::timed_out(&node, bound);
+                            None
+                        }
                     };
                     (index, answer)
                 }
@@ -405,10 +489,21 @@ impl QuorumSemaphore {
     }
 
     fn too_few(&self, op: &str, answered: usize) -> Error {
+        let down: Vec<&str> = (self.shared.nodes.iter())
+            .filter(|node| !node.health.is_up())
+            .map(|node| node.health.label())
+            .collect();
+        let down = match down.len() {
+            0 => String::new(),
+            _ => format!(
+                " ({} down, refused at once until a probe reaches them)",
+                down.join(", ")
+            ),
+        };
         Error::backend(
             format!(
-                "only {answered} of {} quorum nodes answered `{op}`; a majority ({}) is needed. \
-                 Check the nodes' health",
+                "only {answered} of {} quorum nodes answered `{op}`{down}; a majority ({}) is \
+                 needed. Check the nodes' health",
                 self.shared.nodes.len(),
                 self.majority()
             ),

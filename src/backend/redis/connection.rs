@@ -24,15 +24,18 @@ use crate::sync::lock;
 pub(in crate::backend) type Pushes = Arc<dyn Fn(PushInfo) + Send + Sync>;
 
 /// Where the backend connects, with the timeouts every call and connection attempt get.
+#[derive(Clone)]
 pub(super) struct Target {
     pub(super) nodes: Nodes,
+    /// `rediss://`.
+    pub(super) tls: bool,
     pub(super) call_timeout: Duration,
     pub(super) connect_timeout: Duration,
     /// Root certificates for TLS (`rediss://`), or `None` for the system's.
     pub(super) certificates: Option<TlsCertificates>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) enum Nodes {
     Single(Box<ConnectionInfo>),
     Cluster(Vec<ConnectionInfo>),
@@ -46,6 +49,18 @@ pub(super) enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
     Sentinel(Arc<Sentineled>),
+}
+
+impl Target {
+    /// The longest opening a connection may take: one connect attempt (redis-rs bounds it by
+    /// the connect timeout, TLS handshake included); through Sentinel, asking the sentinels
+    /// first.
+    pub(super) fn open_bound(&self) -> Duration {
+        match self.nodes {
+            Nodes::Sentinel(..) => self.connect_timeout * 3,
+            Nodes::Single(_) | Nodes::Cluster(_) => self.connect_timeout,
+        }
+    }
 }
 
 impl Conn {
@@ -108,19 +123,9 @@ impl Conn {
         }
     }
 
-    /// Keys live on several nodes: a call reaches only those of one slot.
-    pub(super) fn is_cluster(&self) -> bool {
-        matches!(self, Conn::Cluster(_))
-    }
-
-    /// The command that announces a grant: on a cluster, sharded pub/sub (`SPUBLISH`), which
-    /// routes by slot like the keys, so a grant travels only to the node that owns the
-    /// semaphore instead of being broadcast to every node.
-    pub(super) fn publisher(&self) -> &'static str {
-        match self {
-            Conn::Single(_) | Conn::Sentinel(_) => "PUBLISH",
-            Conn::Cluster(_) => "SPUBLISH",
-        }
+    /// One round trip: the probe's question whether the server answers.
+    pub(super) async fn ping(mut self) -> RedisResult<()> {
+        redis::cmd("PING").query_async::<()>(&mut self).await
     }
 
     pub(super) async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
@@ -216,7 +221,7 @@ pub(in crate::backend) async fn manager(
 }
 
 /// How every connection manager of the crate is set up: pushes to `pushes`, subscriptions
-/// restored after a reconnect, and bounded calls and connection attempts.
+/// restored after a reconnect, bounded calls, and a single bounded attempt per reconnect.
 pub(in crate::backend) fn manager_config(
     pushes: &Pushes,
     call_timeout: Duration,
@@ -231,8 +236,9 @@ pub(in crate::backend) fn manager_config(
         .set_automatic_resubscription()
         .set_response_timeout(Some(call_timeout))
         .set_connection_timeout(Some(connect_timeout))
-        .set_number_of_retries(2)
-        .set_max_delay(Duration::from_millis(500))
+        // One attempt per reconnect: while a server is down, the backend's probe retries
+        // (`health`), and no call waits behind a series of attempts.
+        .set_number_of_retries(0)
 }
 
 /// The master Sentinel names, followed across failovers: a call that fails to reach it, or

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 mod connection;
@@ -20,6 +20,7 @@ mod semaphore;
 
 use self::connection::{Conn, Nodes, Target};
 pub(super) use self::connection::{Pushes, manager_config};
+use super::health::{self, Health, Reconnect};
 use redis::{
     Client, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, PushInfo, PushKind, RedisError,
     RedisResult, Script, ServerErrorKind, TlsCertificates, Value,
@@ -28,6 +29,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::Error;
+use crate::sync::lock;
 use crate::waitlist::{Hub, Until, Waitlist};
 
 /// A Lua script, sent by SHA once the server knows it.
@@ -58,10 +60,30 @@ impl Lua {
 /// The call goes by SHA, and with the whole source (`EVAL`, which also caches it) when the
 /// server does not know the script: routed by key like the call itself, so on a cluster it
 /// never waits for the other nodes, as `SCRIPT LOAD` to every node would. A call whose
-/// connection dropped is sent once more (the connection manager reconnects on that error). A
-/// server that is loading its data or busy with a script is asked again after a jittered
-/// pause, until `until`.
+/// connection dropped is sent once more (the connection manager reconnects on that error, one
+/// attempt). A server that is loading its data or busy with a script is asked again after a
+/// jittered pause, until `until`.
+///
+/// A server known to be down is not asked at all: the call fails at once (see `health`), and
+/// a call that finds it unreachable marks it down.
 async fn invoke(
+    lua: &Lua,
+    shared: &Arc<Connection>,
+    op: &'static str,
+    until: Instant,
+    replicas: Option<Replicas>,
+    args: impl Fn(&mut Cmd, bool),
+) -> Result<(Value, Option<i64>), Error> {
+    let mut conn = shared.conn()?;
+    let result = send(lua, &mut conn, op, until, replicas, args).await;
+    if let Err(e) = &result {
+        health::failed(shared, e);
+    }
+    result.map_err(|e| redis_error(e, op, shared.health.label()))
+}
+
+/// [`invoke`]'s retries on one connection.
+async fn send(
     lua: &Lua,
     conn: &mut Conn,
     op: &'static str,
@@ -169,7 +191,18 @@ impl std::fmt::Debug for RedisBackend {
 
 /// What clones of one `RedisBackend` share: the connection and what rides on it.
 struct Connection {
-    conn: Conn,
+    /// Set once the server was first reached (at once by `connect`, by the probe after
+    /// `connect_lazy`); the connection re-establishes itself after that.
+    conn: OnceLock<Conn>,
+    /// Up or down; the probe reaches the server through [`Reconnect`].
+    health: Health,
+    /// What `conn` is opened from, kept for a lazy start.
+    target: Target,
+    pushes: Pushes,
+    /// The subscriber's requests, until it starts with the connection.
+    requests: Mutex<Option<mpsc::UnboundedReceiver<Arc<Waitlist>>>>,
+    /// Keys live on several nodes (Redis Cluster): a call reaches only those of one slot.
+    cluster: bool,
     hub: Arc<Hub>,
     call_timeout: Duration,
     /// Ticks on every lost connection, so holders renew (and learn of a server that came back
@@ -197,6 +230,26 @@ impl RedisBackend {
     /// there, and stops with it.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         Self::builder(url).connect().await
+    }
+
+    /// Builds a backend for the Redis server at `url` at once, whether the server is up or
+    /// not, with the default settings of [`RedisBackend::builder`]; see
+    /// [`RedisBackendBuilder::connect_lazy`]. Fails only with [`Error::Config`] (a malformed
+    /// URL, or no tokio runtime).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{RedisBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let redis = RedisBackend::connect_lazy("redis://127.0.0.1:6379").unwrap();
+    /// let sem = Semaphore::builder("api").limit(10).build(redis).unwrap();
+    /// # let _ = sem;
+    /// # }
+    /// ```
+    pub fn connect_lazy(url: &str) -> Result<Self, Error> {
+        Self::builder(url).connect_lazy()
     }
 
     /// Connects with a client you configured yourself (credentials, TLS, database). The
@@ -439,8 +492,76 @@ impl RedisBackendBuilder {
     /// Connects. Fails with [`Error::Config`] for a malformed URL, a zero timeout, or root
     /// certificates for a plain `redis://` URL, and with [`Error::Backend`] when the server
     /// cannot be reached now (or its TLS certificate is not trusted) within the connect
-    /// timeout.
+    /// timeout. To start whether Redis is up or not, use
+    /// [`connect_lazy`](Self::connect_lazy).
     pub async fn connect(self) -> Result<RedisBackend, Error> {
+        let backend = self.build(true)?;
+        let shared = &backend.shared;
+        let bound = shared.target.open_bound();
+        let opened = tokio::time::timeout(
+            bound,
+            Conn::open(shared.target.clone(), shared.pushes.clone()),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(RedisError::from((
+                ErrorKind::Io,
+                "no answer within the connect timeout",
+                format!("{bound:?}"),
+            )))
+        });
+        match opened {
+            Ok(conn) => {
+                shared.started(conn);
+                Ok(backend)
+            }
+            Err(e) => Err(connect_error(e, &shared.target, shared.health.label())),
+        }
+    }
+
+    /// Like [`connect`](Self::connect), but returns at once, whether Redis is up or not: the
+    /// backend starts down (every call fails at once with [`Error::Backend`], so each
+    /// semaphore's [`OutagePolicy`](crate::OutagePolicy) decides) and comes up by itself as
+    /// soon as a background probe reaches the server. A service built this way starts during
+    /// a Redis outage instead of crash-looping.
+    ///
+    /// Fails only with [`Error::Config`]: a malformed URL or option, or no tokio runtime to
+    /// run the probe on (call it inside one).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_distributed_limit::{OutagePolicy, RedisBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// // Nothing listens here: the backend is built anyway, and the policy decides.
+    /// let redis = RedisBackend::builder("redis://127.0.0.1:1")
+    ///     .connect_timeout(Duration::from_millis(100))
+    ///     .connect_lazy()
+    ///     .unwrap();
+    /// let sem = Semaphore::builder("api")
+    ///     .limit(10)
+    ///     .on_outage(OutagePolicy::Local { limit: 2 })
+    ///     .build(redis)
+    ///     .unwrap();
+    /// let permit = sem.acquire().await.unwrap();
+    /// assert!(permit.is_degraded());
+    /// # }
+    /// ```
+    pub fn connect_lazy(self) -> Result<RedisBackend, Error> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::config(
+                "connect_lazy needs a tokio runtime to reconnect on: call it inside one",
+            ));
+        }
+        let backend = self.build(false)?;
+        health::start(&backend.shared);
+        Ok(backend)
+    }
+
+    /// The backend these settings describe, not connected yet (`reached`: it is about to be).
+    fn build(self, reached: bool) -> Result<RedisBackend, Error> {
         let nodes = self.nodes?;
         if self.call_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(Error::config(
@@ -480,13 +601,15 @@ impl RedisBackendBuilder {
                  the node that owns the semaphore); use it with a single master",
             ));
         }
-        if tls {
-            // rustls needs one crypto provider for the process; ring's, unless the
-            // application installed another (then this does nothing).
-            let _ = rustls::crypto::ring::default_provider().install_default();
-        }
+        let label = match &nodes {
+            Nodes::Single(info) => info.addr().to_string(),
+            Nodes::Cluster(infos) => format!("{} (cluster)", infos[0].addr()),
+            Nodes::Sentinel(_, master) => format!("master {master:?} (via the sentinels)"),
+        };
+        let cluster = matches!(nodes, Nodes::Cluster(_));
         let target = Target {
             nodes,
+            tls,
             call_timeout: self.call_timeout,
             connect_timeout: self.connect_timeout,
             certificates: (!self.root_certificates.is_empty()).then_some(TlsCertificates {
@@ -508,26 +631,15 @@ impl RedisBackendBuilder {
             }
             on_push(&notify, push);
         });
-        let master = match &target.nodes {
-            Nodes::Sentinel(_, master) => Some(master.clone()),
-            _ => None,
-        };
-        let conn = Conn::open(target, pushes)
-            .await
-            .map_err(|e| match &master {
-                Some(master) => Error::backend(
-                    format!(
-                        "cannot reach the master {master:?} through the sentinels ({e}); check the \
-                     sentinel URLs, that they monitor a master of that name, and that it is up"
-                    ),
-                    Some(Box::new(e) as _),
-                ),
-                None => connect_error(e, tls),
-            })?;
-        tokio::spawn(subscriber(conn.clone(), requests));
+        let bound = target.open_bound() + self.call_timeout;
         Ok(RedisBackend {
             shared: Arc::new(Connection {
-                conn,
+                conn: OnceLock::new(),
+                health: Health::new(label, bound, reached),
+                target,
+                pushes,
+                requests: Mutex::new(Some(requests)),
+                cluster,
                 hub,
                 call_timeout: self.call_timeout,
                 reconnects,
@@ -535,6 +647,57 @@ impl RedisBackendBuilder {
             }),
             prefix: self.prefix.into(),
         })
+    }
+}
+
+impl Connection {
+    /// The connection, if the server is up; refused at once otherwise.
+    fn conn(self: &Arc<Self>) -> Result<Conn, Error> {
+        health::gate(self)?;
+        self.conn
+            .get()
+            .cloned()
+            .ok_or_else(|| Error::backend("Redis was not reached yet", None))
+    }
+
+    /// The first connection is open: keep it and start the subscriber on it.
+    fn started(&self, conn: Conn) {
+        let conn = self.conn.get_or_init(|| conn);
+        if let Some(requests) = lock(&self.requests).take() {
+            tokio::spawn(subscriber(conn.clone(), requests));
+        }
+    }
+
+    /// The command that announces a grant: on a cluster, sharded pub/sub (`SPUBLISH`), which
+    /// routes by slot like the keys, so a grant travels only to the node that owns the
+    /// semaphore instead of being broadcast to every node.
+    fn publisher(&self) -> &'static str {
+        if self.cluster { "SPUBLISH" } else { "PUBLISH" }
+    }
+}
+
+impl Reconnect for Connection {
+    fn health(&self) -> &Health {
+        &self.health
+    }
+
+    async fn attempt(&self) -> RedisResult<()> {
+        match self.conn.get() {
+            Some(conn) => conn.clone().ping().await,
+            None => {
+                let conn = Conn::open(self.target.clone(), self.pushes.clone()).await?;
+                self.started(conn);
+                Ok(())
+            }
+        }
+    }
+
+    fn reconnected(&self) {
+        // As after a lost connection: holders renew and waiters check their line at once.
+        (self.pushes)(PushInfo {
+            kind: PushKind::Disconnection,
+            data: Vec::new(),
+        });
     }
 }
 
@@ -675,44 +838,91 @@ fn is_transient(e: &RedisError) -> bool {
     matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry) || e.code() == Some("BUSY")
 }
 
-/// A first connection that failed, with what to check; over TLS, the handshake is the usual
-/// suspect.
-fn connect_error(e: RedisError, tls: bool) -> Error {
-    if !tls {
-        return redis_error(e, "connect");
-    }
-    let hint = if e.to_string().contains("certificate") {
-        "the server's TLS certificate is not trusted: add the CA that signed it with \
-         RedisBackendBuilder::add_root_certificate_pem, and check the host name it was issued for"
+/// A first connection that failed: what failed, and what to check.
+fn connect_error(e: RedisError, target: &Target, label: &str) -> Error {
+    let text = health::short(&e);
+    let message = if let Nodes::Sentinel(_, master) = &target.nodes {
+        format!(
+            "cannot reach the master {master:?} through the sentinels ({text}); check the \
+             sentinel URLs, that they monitor a master of that name, and that it is up"
+        )
+    } else if let Some(problem) = access_problem(&e) {
+        format!("cannot connect to Redis at {label}: {problem}")
+    } else if target.tls && text.contains("certificate") {
+        format!(
+            "cannot open a TLS connection to Redis at {label}: the server's certificate is not \
+             trusted ({text}); add the CA that signed it with \
+             RedisBackendBuilder::add_root_certificate_pem, and check the host name it was \
+             issued for"
+        )
+    } else if target.tls {
+        format!(
+            "cannot open a TLS connection to Redis at {label} ({text}); check that the server \
+             is up and speaks TLS on this port (a plain-TCP port never answers the handshake)"
+        )
+    } else if e.is_connection_refusal() {
+        format!(
+            "cannot connect to Redis at {label}: connection refused; check that the server is \
+             up and the URL's host and port are right (connect_lazy starts without it)"
+        )
     } else {
-        "check that the server is up and speaks TLS on this port (a plain-TCP port never \
-         answers the TLS handshake, so it times out)"
+        format!(
+            "cannot connect to Redis at {label} ({text}); check that the server is up and \
+             reachable (connect_lazy starts without it)"
+        )
     };
-    Error::backend(
-        format!("cannot open a TLS connection to Redis ({e}); {hint}"),
-        Some(Box::new(e) as _),
-    )
+    Error::backend(message, Some(Box::new(e) as _))
 }
 
-/// Says what a Redis failure means for the caller and what to do about it.
-fn redis_error(e: RedisError, what: &str) -> Error {
-    let message = if e.is_timeout() {
-        format!(
-            "Redis did not answer `{what}` in time ({e}); it may be overloaded, paused or \
-             unreachable. The call is bounded; retry later"
+/// Credentials or permissions the server refused, in words that say what to change.
+fn access_problem(e: &RedisError) -> Option<&'static str> {
+    let code = e.code();
+    if e.kind() == ErrorKind::AuthenticationFailed || matches!(code, Some("NOAUTH" | "WRONGPASS")) {
+        Some(
+            "authentication failed (no password, or a wrong one); put the credentials in the \
+             URL (redis://:password@host:port, or redis://user:password@host:port with ACLs) or \
+             in the ConnectionInfo given to the builder",
         )
-    } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
-        format!(
-            "cannot reach Redis for `{what}` ({e}); check that the server is up and the URL is \
-             right. The connection is re-established by itself"
-        )
-    } else if e.code() == Some("WRONGTYPE") {
-        format!(
-            "a key of this semaphore holds a value of another type ({e}); something else writes \
-             under the key prefix: choose another RedisBackend::key_prefix or delete the key"
+    } else if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) {
+        Some(
+            "the Redis user lacks a permission (ACL NOPERM); allow it EVAL, EVALSHA, PUBLISH, \
+             SUBSCRIBE, WAIT and PING (SPUBLISH/SSUBSCRIBE on a Cluster) on the keys and \
+             channels under the key prefix",
         )
     } else {
-        format!("Redis rejected the semaphore's `{what}` script ({e})")
+        None
+    }
+}
+
+/// Says what a Redis failure of `what` on the server `label` means and what to do; the
+/// Redis error stays the [`source`](std::error::Error::source), its text not repeated.
+fn redis_error(e: RedisError, what: &str, label: &str) -> Error {
+    let message = if let Some(problem) = access_problem(&e) {
+        format!("Redis at {label} refused `{what}`: {problem}")
+    } else if e.is_timeout() {
+        format!(
+            "Redis at {label} did not answer `{what}` within the call timeout; it may be \
+             overloaded, paused or unreachable. Calls fail at once until it answers again"
+        )
+    } else if e.is_connection_refusal() {
+        format!(
+            "Redis at {label} refused the connection for `{what}`; check that the server is up. \
+             The connection is re-established by itself once it is"
+        )
+    } else if e.is_io_error() || e.is_connection_dropped() {
+        format!(
+            "lost the connection to Redis at {label} during `{what}`; it is re-established by \
+             itself once the server answers"
+        )
+    } else if e.code() == Some("WRONGTYPE") {
+        "a key of this semaphore holds a value of another type; something else writes under \
+         the key prefix: choose another RedisBackend::key_prefix or delete the key"
+            .to_owned()
+    } else {
+        return Error::backend(
+            format!("Redis at {label} rejected `{what}`: {}", health::short(&e)),
+            None,
+        );
     };
     Error::backend(message, Some(Box::new(e) as _))
 }

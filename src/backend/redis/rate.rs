@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::Value;
 use tokio::time::Instant;
 
-use super::{Connection, Lua, RedisBackend, hash_tag, invoke, redis_error};
+use super::{Connection, Lua, RedisBackend, hash_tag, invoke};
 use crate::Error;
 use crate::backend::gcra::{
     Gcra, OpenedRate, RateBackend, RateDecision, RateKey, RateStore, sealed::OpenRate,
@@ -55,9 +55,8 @@ impl RedisRate {
     /// to a dropped connection: at worst it spends its cost twice.
     async fn call(&self, key: &str, n: u32) -> Result<Value, Error> {
         let until = Instant::now() + self.shared.call_timeout;
-        let mut conn = self.shared.conn.clone();
         let gcra = &self.gcra;
-        invoke(&RATE, &mut conn, "rate", until, None, |command, _| {
+        invoke(&RATE, &self.shared, "rate", until, None, |command, _| {
             command
                 .arg(1)
                 .arg(key)
@@ -68,7 +67,6 @@ impl RedisRate {
         })
         .await
         .map(|(reply, _)| reply)
-        .map_err(|e| redis_error(e, "rate"))
     }
 }
 

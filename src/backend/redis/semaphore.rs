@@ -11,7 +11,7 @@ use redis::{Cmd, Value};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
-use super::{Connection, Lua, RedisBackend, hash_tag, invoke, redis_error, slot_tag};
+use super::{Connection, Lua, RedisBackend, hash_tag, invoke, slot_tag};
 use crate::Error;
 use crate::backend::gcra::{RateKey, Rated};
 use crate::backend::store::{Attempt, Member, Mode, Opened, Store, process_tag, sealed::Open};
@@ -122,10 +122,9 @@ impl RedisSemaphore {
             .replicas
             .filter(|_| matches!(op, "acquire" | "touch" | "renew"));
         let until = until.unwrap_or_else(|| Instant::now() + self.shared.call_timeout);
-        let mut conn = self.shared.conn.clone();
         let result = invoke(
             &SEMAPHORE,
-            &mut conn,
+            &self.shared,
             op,
             until,
             replicas,
@@ -139,7 +138,7 @@ impl RedisSemaphore {
                 command
                     .arg(op)
                     .arg(&self.channel)
-                    .arg(self.shared.conn.publisher())
+                    .arg(self.shared.publisher())
                     .arg(self.limit)
                     .arg(PATIENCE.as_millis() as u64)
                     .arg(CLAIM.as_millis() as u64)
@@ -155,22 +154,20 @@ impl RedisSemaphore {
         )
         .await;
         carried.settled = true;
-        let result = result
-            .map_err(|e| redis_error(e, op))
-            .and_then(|(reply, acked)| match (self.shared.replicas, acked) {
-                (Some(replicas), Some(acked)) if acked < i64::from(replicas.count) => {
-                    Err(Error::backend(
-                        format!(
-                            "only {acked} of {} replicas acknowledged `{op}` within {:?} \
+        let result = result.and_then(|(reply, acked)| match (self.shared.replicas, acked) {
+            (Some(replicas), Some(acked)) if acked < i64::from(replicas.count) => {
+                Err(Error::backend(
+                    format!(
+                        "only {acked} of {} replicas acknowledged `{op}` within {:?} \
                              (wait_for_replicas), so it does not count; check the replicas' \
                              health and lag, or raise the timeout",
-                            replicas.count, replicas.timeout
-                        ),
-                        None,
-                    ))
-                }
-                _ => Ok(reply),
-            });
+                        replicas.count, replicas.timeout
+                    ),
+                    None,
+                ))
+            }
+            _ => Ok(reply),
+        });
         if let Err(e) = &result
             && !carried.members.is_empty()
         {
@@ -500,7 +497,7 @@ impl Store for RedisSemaphore {
     fn combines(&self, rate: &RateKey) -> bool {
         // One call reaches both keys: the same connection, and on a cluster the same slot.
         rate.backend == Arc::as_ptr(&self.shared) as usize
-            && (!self.shared.conn.is_cluster() || slot_tag(&rate.key) == slot_tag(&self.keys[0]))
+            && (!self.shared.cluster || slot_tag(&rate.key) == slot_tag(&self.keys[0]))
     }
 
     fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {

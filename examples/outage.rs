@@ -1,0 +1,273 @@
+//! What a Redis outage costs a service, row by row (issue 20's table): a redis-server of its
+//! own on a free loopback port, killed, paused, never started, spoken TLS to, or protected by
+//! a password. Prints one `row | figure` line per measurement. Run through
+//! `scripts/bench-outage`, which can put an older build's figures beside these.
+//!
+//! `cargo run --release --example outage`
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
+use tower_distributed_limit::{
+    DistributedConcurrencyLimitLayer, Error, OutagePolicy, RedisBackend, RedisBackendBuilder,
+    Semaphore,
+};
+
+const CALL: Duration = Duration::from_millis(100);
+const CONNECT: Duration = Duration::from_millis(100);
+
+struct Server {
+    child: Child,
+    port: u16,
+    args: Vec<String>,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let child = spawn(port, &args);
+        Server { child, port, args }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn restart(&mut self) {
+        self.child = spawn(self.port, &self.args);
+    }
+
+    fn signal(&self, signal: &str) {
+        let _ = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn spawn(port: u16, args: &[String]) -> Child {
+    let child = Command::new("redis-server")
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--port",
+        ])
+        .arg(port.to_string())
+        .args(args)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("redis-server on PATH");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis-server did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child
+}
+
+fn quick(url: &str) -> RedisBackendBuilder {
+    RedisBackend::builder(url)
+        .call_timeout(CALL)
+        .connect_timeout(CONNECT)
+}
+
+/// The only way this build has to start while Redis is down.
+async fn start_without_redis(builder: RedisBackendBuilder) -> Result<RedisBackend, Error> {
+    builder.connect_lazy()
+}
+
+fn row(what: &str, figure: String) {
+    println!("{what} | {figure}");
+}
+
+fn median_max(mut times: Vec<Duration>) -> (Duration, Duration) {
+    times.sort();
+    (times[times.len() / 2], times[times.len() - 1])
+}
+
+async fn timed_acquires(sem: &Semaphore, n: usize) -> Vec<Duration> {
+    let mut times = Vec::new();
+    for _ in 0..n {
+        let started = Instant::now();
+        let _ = sem.acquire().await;
+        times.push(started.elapsed());
+    }
+    times
+}
+
+async fn admissions(sem: &Semaphore, run: Duration) -> usize {
+    let until = Instant::now() + run;
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let sem = sem.clone();
+            tokio::spawn(async move {
+                let mut admitted = 0;
+                while Instant::now() < until {
+                    if let Ok(permit) = sem.acquire().await {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        drop(permit);
+                        admitted += 1;
+                    }
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.unwrap_or(0);
+    }
+    total
+}
+
+fn semaphore(name: &str, policy: OutagePolicy, backend: RedisBackend) -> Semaphore {
+    Semaphore::builder(name)
+        .limit(8)
+        .on_outage(policy)
+        .build(backend)
+        .expect("valid settings")
+}
+
+#[tokio::main]
+async fn main() {
+    // Redis killed, FailClosed: 60 sequential acquires.
+    let mut server = Server::start(&[]);
+    let backend = quick(&server.url()).connect().await.expect("connect");
+    let closed = semaphore("closed", OutagePolicy::FailClosed, backend.clone());
+    drop(closed.acquire().await);
+    server.kill();
+    let (median, max) = median_max(timed_acquires(&closed, 60).await);
+    row(
+        "killed, FailClosed: refusal median / max",
+        format!("{median:.1?} / {max:.1?}"),
+    );
+
+    // FailOpen throughput, up and dead.
+    server.restart();
+    let open = semaphore("open", OutagePolicy::FailOpen, backend.clone());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while open.acquire().await.is_ok_and(|p| p.is_degraded()) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let up = admissions(&open, Duration::from_secs(1)).await;
+    server.kill();
+    let down = admissions(&open, Duration::from_secs(1)).await;
+    row(
+        "FailOpen admissions/s, Redis up / dead",
+        format!("{up} / {down} ({:.2}x)", down as f64 / up.max(1) as f64),
+    );
+
+    // Redis paused, FailClosed: the acquires after the first timeout.
+    server.restart();
+    let paused = semaphore("paused", OutagePolicy::FailClosed, backend.clone());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while paused.acquire().await.is_err() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.signal("STOP");
+    let first = timed_acquires(&paused, 1).await[0];
+    let (median, max) = median_max(timed_acquires(&paused, 30).await);
+    server.signal("CONT");
+    row(
+        "paused, FailClosed: first / later median / later max",
+        format!("{first:.1?} / {median:.1?} / {max:.1?}"),
+    );
+
+    // Starting while Redis is down, then Redis starts.
+    server.kill();
+    let started = Instant::now();
+    match start_without_redis(quick(&server.url())).await {
+        Ok(lazy) => {
+            let built = started.elapsed();
+            let sem = semaphore("lazy", OutagePolicy::FailClosed, lazy);
+            server.restart();
+            let up = Instant::now();
+            let deadline = up + Duration::from_secs(10);
+            while sem.acquire().await.is_err() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            row(
+                "start while Redis is down: built in / serving after Redis starts",
+                format!("{built:.1?} / {:.0?}", up.elapsed()),
+            );
+        }
+        Err(e) => {
+            server.restart();
+            row(
+                "start while Redis is down: built in / serving after Redis starts",
+                format!("impossible ({:.0?}): {e}", started.elapsed()),
+            );
+        }
+    }
+
+    // rediss:// to a plain port.
+    let started = Instant::now();
+    let tls = RedisBackend::builder(server.url().replace("redis://", "rediss://").as_str())
+        .connect_timeout(Duration::from_millis(500))
+        .connect()
+        .await;
+    row(
+        "rediss:// to a plain port, connect_timeout 500 ms: fails after",
+        format!("{:.0?} ({})", started.elapsed(), tls.is_err()),
+    );
+
+    // load_shed over acquire_in_poll_ready, one request at a time, never full.
+    let sem = Semaphore::builder("shed")
+        .limit(4)
+        .build(RedisBackend::connect(&server.url()).await.expect("connect"))
+        .expect("valid settings");
+    let mut svc = ServiceBuilder::new()
+        .load_shed()
+        .layer(DistributedConcurrencyLimitLayer::new(sem).acquire_in_poll_ready())
+        .service(service_fn(|()| async {
+            Ok::<_, std::convert::Infallible>(())
+        }));
+    let mut shed = 0;
+    for _ in 0..50 {
+        let ready = svc.ready().await.expect("LoadShed is always ready");
+        if ready.call(()).await.is_err() {
+            shed += 1;
+        }
+    }
+    row(
+        "load_shed, one at a time, free semaphore: shed",
+        format!("{shed} of 50"),
+    );
+
+    // A password nobody gave.
+    let guarded = Server::start(&["--requirepass", "s3cret"]);
+    let message = match RedisBackend::connect(&guarded.url()).await {
+        Ok(_) => "connected".to_owned(),
+        Err(e) => {
+            let mut text = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(cause) = source {
+                text.push_str(" <- ");
+                text.push_str(&cause.to_string());
+                source = cause.source();
+            }
+            text
+        }
+    };
+    row("no password given: the error chain", message);
+}

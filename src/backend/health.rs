@@ -1,0 +1,331 @@
+//! Whether a Redis server answers, so that an outage costs a request microseconds, not a
+//! timeout.
+//!
+//! Each server the crate talks to (a `RedisBackend`'s node, Cluster or Sentinel master; each
+//! node of a quorum) is up or down. A call refused, dropped for good, or past the call timeout
+//! marks it down ([`failed`]); while it is down every call fails at once ([`gate`]), so the
+//! outage policy decides in microseconds, and **one** background probe per server tries to
+//! reach it again with a jittered back-off capped at [`MAX_PAUSE`]. Requests never wait behind
+//! a connect attempt, and never more than one attempt per server is in flight (the probe is
+//! the only caller while the server is down). A full semaphore is an answer, not a failure.
+//!
+//! The probe is a task on the runtime of the call that saw the failure. A runtime that goes
+//! away drops it (its guard frees the role), and a task not seen for a whole attempt plus a
+//! pause (a runtime no longer driven) is replaced by the next call that finds the server down.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use redis::RedisError;
+
+use crate::Error;
+use crate::sync::lock;
+
+/// The longest pause between two probes: a server that is back is used again within about
+/// this much.
+pub(in crate::backend) const MAX_PAUSE: Duration = Duration::from_secs(1);
+
+/// The first pause after a failure: the one just seen is fresh, so asking at once would only
+/// repeat it.
+const FIRST_PAUSE: Duration = Duration::from_millis(50);
+
+/// The `tracing` target of the up/down transitions.
+const TARGET: &str = "tower_distributed_limit::backend";
+
+/// A server that can be probed: its [`Health`], and one attempt to reach it.
+pub(in crate::backend) trait Reconnect: Send + Sync + 'static {
+    fn health(&self) -> &Health;
+    /// One attempt to reach the server (connect if need be, then a round trip). The probe
+    /// bounds it by [`Health`]'s attempt bound.
+    fn attempt(&self) -> impl Future<Output = Result<(), RedisError>> + Send + '_;
+    /// The server answers again: whatever was lost meanwhile is to be checked.
+    fn reconnected(&self);
+}
+
+/// Up or down, and who probes.
+pub(in crate::backend) struct Health {
+    down: AtomicBool,
+    /// What the server is, for messages and metrics (its address).
+    label: String,
+    /// The longest one probe attempt may take.
+    bound: Duration,
+    state: Mutex<State>,
+    #[cfg(feature = "metrics")]
+    metrics: Metrics,
+}
+
+struct State {
+    since: Instant,
+    /// The last failure, in a few words.
+    reason: String,
+    /// The probe running now: its number and when it was last seen.
+    probe: Option<(u64, Instant)>,
+    probes: u64,
+    /// The server was never reached yet (a lazy start): its first success is no recovery.
+    never_up: bool,
+}
+
+#[cfg(feature = "metrics")]
+struct Metrics {
+    up: metrics::Gauge,
+    fast_failed: metrics::Counter,
+}
+
+impl Health {
+    /// A server called `label`, up (reached already) or down (not yet reached); one probe
+    /// attempt takes at most `bound`.
+    pub(in crate::backend) fn new(label: String, bound: Duration, up: bool) -> Self {
+        #[cfg(feature = "metrics")]
+        let metrics = {
+            describe();
+            let backend = metrics::SharedString::from(label.clone());
+            let metrics = Metrics {
+                up: metrics::gauge!("dlimit_backend_up", "backend" => backend.clone()),
+                fast_failed: metrics::counter!("dlimit_backend_fast_failures_total", "backend" => backend),
+            };
+            metrics.up.set(if up { 1.0 } else { 0.0 });
+            metrics
+        };
+        Health {
+            down: AtomicBool::new(!up),
+            label,
+            bound,
+            state: Mutex::new(State {
+                since: Instant::now(),
+                reason: "not reached yet".into(),
+                probe: None,
+                probes: 0,
+                never_up: !up,
+            }),
+            #[cfg(feature = "metrics")]
+            metrics,
+        }
+    }
+
+    pub(in crate::backend) fn is_up(&self) -> bool {
+        !self.down.load(Ordering::Acquire)
+    }
+
+    pub(in crate::backend) fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Why calls fail at once now, for the error they get.
+    fn refusal(&self) -> Error {
+        #[cfg(feature = "metrics")]
+        self.metrics.fast_failed.increment(1);
+        let state = lock(&self.state);
+        Error::backend(
+            format!(
+                "Redis at {} is down ({}, {:.1?} ago), so the call was refused at once; a \
+                 background probe reconnects by itself",
+                self.label,
+                state.reason,
+                state.since.elapsed()
+            ),
+            None,
+        )
+    }
+
+    /// Marks the server down for `reason`; logged once per transition.
+    fn mark_down(&self, reason: String) {
+        let mut state = lock(&self.state);
+        if self.down.swap(true, Ordering::AcqRel) {
+            state.reason = reason;
+            return;
+        }
+        tracing::warn!(target: TARGET, backend = %self.label, %reason,
+            "Redis is down: calls fail at once (the outage policy decides) while a probe reconnects");
+        #[cfg(feature = "metrics")]
+        self.metrics.up.set(0.0);
+        state.since = Instant::now();
+        state.reason = reason;
+    }
+
+    /// The first connection attempt (not a probe's) reached the server.
+    pub(in crate::backend) fn started(&self) {
+        lock(&self.state).never_up = false;
+        self.down.store(false, Ordering::Release);
+        #[cfg(feature = "metrics")]
+        self.metrics.up.set(1.0);
+    }
+
+    /// Probe `id` reached the server. Whether this is a recovery (not a lazy first start).
+    fn mark_up(&self, id: u64) -> bool {
+        let mut state = lock(&self.state);
+        if state.probe.is_some_and(|(running, _)| running == id) {
+            state.probe = None;
+        }
+        if !self.down.swap(false, Ordering::AcqRel) {
+            return false;
+        }
+        #[cfg(feature = "metrics")]
+        self.metrics.up.set(1.0);
+        let recovered = !std::mem::replace(&mut state.never_up, false);
+        if recovered {
+            tracing::warn!(target: TARGET, backend = %self.label, down_for = ?state.since.elapsed(),
+                "Redis answers again; calls go to it");
+        } else {
+            tracing::info!(target: TARGET, backend = %self.label, "Redis reached");
+        }
+        recovered
+    }
+
+    /// Claims the probe role when nobody holds it (or its holder was not seen for a whole
+    /// attempt and pause): the new probe's number.
+    fn claim_probe(&self) -> Option<u64> {
+        let mut state = lock(&self.state);
+        let stale = self.bound + MAX_PAUSE * 2;
+        if state.probe.is_some_and(|(_, seen)| seen.elapsed() < stale) {
+            return None;
+        }
+        state.probes += 1;
+        let id = state.probes;
+        state.probe = Some((id, Instant::now()));
+        Some(id)
+    }
+
+    /// Probe `id` is alive; `false` when it was replaced and should stop.
+    fn beat(&self, id: u64) -> bool {
+        let mut state = lock(&self.state);
+        match &mut state.probe {
+            Some((running, seen)) if *running == id => {
+                *seen = Instant::now();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn note(&self, reason: String) {
+        lock(&self.state).reason = reason;
+    }
+
+    fn release_probe(&self, id: u64) {
+        let mut state = lock(&self.state);
+        if state.probe.is_some_and(|(running, _)| running == id) {
+            state.probe = None;
+        }
+    }
+}
+
+/// Lets a call through when the server is up; when it is down, refuses at once (and makes
+/// sure a probe is running).
+pub(in crate::backend) fn gate<T: Reconnect>(server: &Arc<T>) -> Result<(), Error> {
+    let health = server.health();
+    if health.is_up() {
+        return Ok(());
+    }
+    probe(server, Duration::ZERO);
+    Err(health.refusal())
+}
+
+/// A call failed with `e`: when that means the server is unreachable (refused, dropped,
+/// timed out), it is marked down and probed.
+pub(in crate::backend) fn failed<T: Reconnect>(server: &Arc<T>, e: &RedisError) {
+    if is_outage(e) {
+        server.health().mark_down(short(e));
+        probe(server, FIRST_PAUSE);
+    }
+}
+
+/// A call got no answer within its own bound (no `RedisError` to tell).
+pub(in crate::backend) fn timed_out<T: Reconnect>(server: &Arc<T>, bound: Duration) {
+    server
+        .health()
+        .mark_down(format!("no answer within {bound:?}"));
+    probe(server, FIRST_PAUSE);
+}
+
+/// Starts a server that was never reached: down, with a probe trying now.
+pub(in crate::backend) fn start<T: Reconnect>(server: &Arc<T>) {
+    probe(server, Duration::ZERO);
+}
+
+/// An error that says the server cannot be reached now.
+pub(in crate::backend) fn is_outage(e: &RedisError) -> bool {
+    e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout()
+}
+
+/// The error's text without what the client library repeats of its cause.
+pub(in crate::backend) fn short(e: &RedisError) -> String {
+    let text = e.to_string();
+    text.lines().next().unwrap_or_default().to_owned()
+}
+
+/// Spawns the probe unless one runs, on the current tokio runtime (none: the next call that
+/// finds the server down tries again).
+fn probe<T: Reconnect>(server: &Arc<T>, first: Duration) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let Some(id) = server.health().claim_probe() else {
+        return;
+    };
+    let guard = ProbeGuard {
+        server: Arc::downgrade(server),
+        id,
+    };
+    runtime.spawn(run(guard, first));
+}
+
+/// Frees the probe role when the task ends, finished or dropped with its runtime.
+struct ProbeGuard<T: Reconnect> {
+    server: Weak<T>,
+    id: u64,
+}
+
+impl<T: Reconnect> Drop for ProbeGuard<T> {
+    fn drop(&mut self) {
+        if let Some(server) = self.server.upgrade() {
+            server.health().release_probe(self.id);
+        }
+    }
+}
+
+async fn run<T: Reconnect>(guard: ProbeGuard<T>, first: Duration) {
+    let mut pause = first;
+    loop {
+        if !pause.is_zero() {
+            tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64() / 2.0)).await;
+        }
+        pause = (pause * 2).clamp(FIRST_PAUSE, MAX_PAUSE);
+        let Some(server) = guard.server.upgrade() else {
+            return;
+        };
+        let health = server.health();
+        if !health.beat(guard.id) {
+            return;
+        }
+        match tokio::time::timeout(health.bound, server.attempt()).await {
+            Ok(Ok(())) => {
+                if health.mark_up(guard.id) {
+                    server.reconnected();
+                }
+                return;
+            }
+            Ok(Err(e)) => health.note(short(&e)),
+            Err(_) => health.note(format!("no answer within {:?}", health.bound)),
+        }
+    }
+}
+
+#[cfg(feature = "metrics")]
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        describe_gauge!(
+            "dlimit_backend_up",
+            Unit::Count,
+            "1 while the Redis server (label backend) answers, 0 while it is down"
+        );
+        describe_counter!(
+            "dlimit_backend_fast_failures_total",
+            Unit::Count,
+            "calls refused at once because their Redis server was down"
+        );
+    });
+}

@@ -1,0 +1,457 @@
+//! Redis down, service up: once Redis is known to be down, every call fails at once (the
+//! outage policy decides in microseconds) while one background probe reconnects; a backend
+//! starts without Redis; connect timeouts hold end to end; errors say what to change. Real
+//! redis-servers, killed, paused, never started, password-protected, or spoken TLS to.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncReadExt;
+use tower_distributed_limit::{Error, OutagePolicy, QuorumBackend, RedisBackend, Semaphore};
+
+use support::{Redis, RedisProcess, eventually, free_port, signal};
+
+const CALL: Duration = Duration::from_millis(100);
+const CONNECT: Duration = Duration::from_millis(100);
+
+fn quick(url: &str) -> tower_distributed_limit::RedisBackendBuilder {
+    RedisBackend::builder(url)
+        .call_timeout(CALL)
+        .connect_timeout(CONNECT)
+}
+
+fn semaphore(name: &str, policy: OutagePolicy, backend: RedisBackend) -> Semaphore {
+    Semaphore::builder(name)
+        .limit(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .on_outage(policy)
+        .build(backend)
+        .unwrap()
+}
+
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+/// Times `n` sequential acquires that must each fail with `Error::Backend`.
+async fn refusals(sem: &Semaphore, n: usize) -> Vec<Duration> {
+    let mut times = Vec::with_capacity(n);
+    for _ in 0..n {
+        let started = Instant::now();
+        let outcome = sem.acquire().await;
+        times.push(started.elapsed());
+        assert!(matches!(outcome, Err(Error::Backend(_))), "{outcome:?}");
+    }
+    times
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_redis_is_refused_at_once_under_fail_closed() {
+    let mut redis = Redis::start().await;
+    let sem = semaphore(
+        "killed",
+        OutagePolicy::FailClosed,
+        quick(&redis.url).connect().await.unwrap(),
+    );
+    drop(sem.acquire().await.unwrap());
+
+    redis.kill();
+    let times = refusals(&sem, 60).await;
+    let (median, max) = (median(times.clone()), *times.iter().max().unwrap());
+    // Before: every refusal took 1.08 s (the connection manager's reconnects, per call).
+    assert!(median <= Duration::from_millis(20), "median {median:?}");
+    assert!(
+        max <= CALL + CONNECT + Duration::from_millis(200),
+        "max {max:?}"
+    );
+
+    // The probe brings it back by itself within about its 1 s back-off cap.
+    redis.restart().await;
+    let back = Instant::now();
+    eventually(
+        Duration::from_secs(5),
+        "acquires from Redis again",
+        || async { sem.acquire().await.is_ok_and(|p| !p.is_degraded()) },
+    )
+    .await;
+    assert!(
+        back.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        back.elapsed()
+    );
+}
+
+/// Admissions of 8 tasks holding 5 ms each, for `run`.
+async fn admissions(sem: &Semaphore, run: Duration) -> usize {
+    let until = Instant::now() + run;
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let sem = sem.clone();
+            tokio::spawn(async move {
+                let mut admitted = 0;
+                while Instant::now() < until {
+                    if let Ok(permit) = sem.acquire().await {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        drop(permit);
+                        admitted += 1;
+                    }
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.unwrap();
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_keeps_the_traffic_flowing_while_redis_is_dead() {
+    let mut redis = Redis::start().await;
+    let sem = Semaphore::builder("open")
+        .limit(8)
+        .on_outage(OutagePolicy::FailOpen)
+        .build(quick(&redis.url).connect().await.unwrap())
+        .unwrap();
+    let up = admissions(&sem, Duration::from_secs(1)).await;
+    redis.kill();
+    let down = admissions(&sem, Duration::from_secs(1)).await;
+    // Before: 5 admissions/s with Redis dead against 596/s with it up.
+    assert!(
+        down * 2 >= up,
+        "{down} admitted with Redis dead, {up} with it up"
+    );
+    assert!(sem.outage_decisions() as usize >= down);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_redis_costs_one_timeout_then_refusals_at_once() {
+    let redis = Redis::start().await;
+    let sem = semaphore(
+        "paused",
+        OutagePolicy::FailClosed,
+        quick(&redis.url).connect().await.unwrap(),
+    );
+    drop(sem.acquire().await.unwrap());
+
+    signal(redis.pid(), "STOP");
+    let first = refusals(&sem, 1).await[0];
+    let later = refusals(&sem, 30).await;
+    signal(redis.pid(), "CONT");
+    assert!(
+        first <= CALL + CONNECT + Duration::from_millis(200),
+        "first {first:?}"
+    );
+    // Before: every acquire waited the whole call timeout, for as long as the pause lasted.
+    let median = median(later.clone());
+    assert!(median <= Duration::from_millis(20), "median {median:?}");
+    assert!(
+        later
+            .iter()
+            .all(|t| *t <= CALL + CONNECT + Duration::from_millis(200))
+    );
+
+    eventually(
+        Duration::from_secs(5),
+        "acquires from Redis again",
+        || async { sem.acquire().await.is_ok_and(|p| !p.is_degraded()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lazy_backend_starts_without_redis_and_serves_once_it_is_up() {
+    let mut redis = Redis::start().await;
+    redis.kill();
+
+    let started = Instant::now();
+    let backend = quick(&redis.url).connect_lazy().unwrap();
+    assert!(
+        started.elapsed() <= Duration::from_millis(50),
+        "{:?}",
+        started.elapsed()
+    );
+    let sem = semaphore("lazy", OutagePolicy::Local { limit: 1 }, backend);
+    // Down: the policy decides, at once.
+    let first = Instant::now();
+    let degraded = sem.acquire().await.unwrap();
+    assert!(degraded.is_degraded());
+    assert!(
+        sem.try_acquire().await.unwrap().is_none(),
+        "Local limit of 1"
+    );
+    assert!(
+        first.elapsed() <= Duration::from_millis(100),
+        "{:?}",
+        first.elapsed()
+    );
+    drop(degraded);
+
+    redis.restart().await;
+    let up = Instant::now();
+    eventually(Duration::from_secs(5), "permits from Redis", || async {
+        sem.try_acquire()
+            .await
+            .is_ok_and(|p| p.is_some_and(|p| !p.is_degraded()))
+    })
+    .await;
+    assert!(up.elapsed() <= Duration::from_secs(3), "{:?}", up.elapsed());
+    // Waiting works too: the subscriber started with the first connection.
+    let held: Vec<_> = hold(&sem, 4).await;
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire().await.map(|p| p.is_degraded()) }
+    });
+    eventually(Duration::from_secs(5), "the waiter to queue", || async {
+        redis.queue_len("lazy").await == 1
+    })
+    .await;
+    drop(held);
+    let degraded = tokio::time::timeout(Duration::from_secs(3), waiter)
+        .await
+        .expect("the waiter was served")
+        .unwrap()
+        .unwrap();
+    assert!(!degraded);
+}
+
+async fn hold(sem: &Semaphore, n: usize) -> Vec<tower_distributed_limit::Permit> {
+    let mut permits = Vec::new();
+    for _ in 0..n {
+        permits.push(sem.acquire().await.unwrap());
+    }
+    permits
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_lazy_outside_a_runtime_is_a_config_error() {
+    let outcome = RedisBackend::connect_lazy("redis://127.0.0.1:1");
+    assert!(matches!(outcome, Ok(_)), "inside a runtime it builds");
+    let outside = std::thread::spawn(|| RedisBackend::connect_lazy("redis://127.0.0.1:1"))
+        .join()
+        .unwrap();
+    assert!(matches!(outside, Err(Error::Config(_))), "{outside:?}");
+    assert!(matches!(
+        RedisBackend::connect_lazy("not a url"),
+        Err(Error::Config(_))
+    ));
+}
+
+/// A port that accepts connections and never answers (a paused or black-holed server), and
+/// how many connections it accepted.
+async fn silent_port() -> (u16, tokio::sync::watch::Receiver<usize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (count, accepted) = tokio::sync::watch::channel(0);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            count.send_modify(|n| *n += 1);
+            tokio::spawn(async move {
+                let mut sink = [0u8; 1024];
+                while socket.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+            });
+        }
+    });
+    (port, accepted)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_never_wait_behind_a_connect_attempt_and_one_attempt_runs_at_a_time() {
+    let (port, accepted) = silent_port().await;
+    let backend = quick(&format!("redis://127.0.0.1:{port}"))
+        .connect_lazy()
+        .unwrap();
+    let sem = semaphore("blackhole", OutagePolicy::FailClosed, backend);
+    let started = Instant::now();
+    // 200 callers, 10 at a time, over about 1.5 s.
+    let mut slowest = Duration::ZERO;
+    while started.elapsed() < Duration::from_millis(1500) {
+        let calls: Vec<_> = (0..10)
+            .map(|_| {
+                let sem = sem.clone();
+                tokio::spawn(async move {
+                    let t = Instant::now();
+                    let outcome = sem.acquire().await;
+                    (t.elapsed(), outcome.is_err())
+                })
+            })
+            .collect();
+        for call in calls {
+            let (took, refused) = call.await.unwrap();
+            assert!(refused);
+            slowest = slowest.max(took);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        slowest <= Duration::from_millis(50),
+        "a caller waited {slowest:?}"
+    );
+    // One probe, backing off: a handful of attempts, not one per caller.
+    let attempts = *accepted.borrow();
+    assert!((1..=12).contains(&attempts), "{attempts} connect attempts");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_to_a_plain_port_fails_within_the_connect_timeout() {
+    let redis = Redis::start().await;
+    let url = redis.url.replace("redis://", "rediss://");
+    let timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let outcome = RedisBackend::builder(url.as_str())
+        .connect_timeout(timeout)
+        .connect()
+        .await;
+    let took = started.elapsed();
+    let Err(Error::Backend(e)) = outcome else {
+        panic!("expected a backend error, got {outcome:?}");
+    };
+    // Before: 2.04 s (three attempts and their pauses).
+    assert!(
+        took <= timeout + Duration::from_millis(150),
+        "took {took:?}"
+    );
+    assert!(e.to_string().contains("TLS"), "{e}");
+
+    let (port, _) = silent_port().await;
+    let started = Instant::now();
+    let silent = RedisBackend::builder(format!("rediss://127.0.0.1:{port}").as_str())
+        .connect_timeout(timeout)
+        .connect()
+        .await;
+    assert!(silent.is_err());
+    let took = started.elapsed();
+    assert!(
+        took <= timeout + Duration::from_millis(150),
+        "took {took:?}"
+    );
+}
+
+/// The whole chain of an error's messages, as `{:#}` printers show it.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(" <- ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_password_says_where_the_password_goes() {
+    let server = RedisProcess::start(|port, _| {
+        vec![
+            "--port".into(),
+            port.to_string(),
+            "--requirepass".into(),
+            "s3cret".into(),
+        ]
+    })
+    .await;
+    let url = format!("redis://127.0.0.1:{}", server.port);
+    let outcome = RedisBackend::connect(&url).await;
+    let Err(e) = outcome else {
+        panic!("connected without the password");
+    };
+    let text = chain(&e);
+    assert!(text.contains("authentication failed"), "{text}");
+    assert!(text.contains("redis://:password@host"), "{text}");
+    // The server's own words appear once at most down the chain.
+    assert!(
+        text.matches("uthentication required").count() <= 1,
+        "{text}"
+    );
+    assert!(
+        !text.contains("re-established by itself"),
+        "never connected: {text}"
+    );
+
+    let with = RedisBackend::connect(&format!("redis://:s3cret@127.0.0.1:{}", server.port))
+        .await
+        .unwrap();
+    let sem = semaphore("auth", OutagePolicy::FailClosed, with);
+    assert!(!sem.acquire().await.unwrap().is_degraded());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_eval_rights_is_told_which_commands_to_allow() {
+    let server = RedisProcess::start(|port, _| {
+        vec![
+            "--port".into(),
+            port.to_string(),
+            "--user".into(),
+            "app".into(),
+            "on".into(),
+            ">pw".into(),
+            "~*".into(),
+            "&*".into(),
+            "+@all".into(),
+            "-eval".into(),
+            "-evalsha".into(),
+        ]
+    })
+    .await;
+    let backend = RedisBackend::connect(&format!("redis://app:pw@127.0.0.1:{}", server.port))
+        .await
+        .unwrap();
+    let sem = semaphore("acl", OutagePolicy::FailClosed, backend);
+    let Err(e) = sem.acquire().await else {
+        panic!("acquired without EVAL");
+    };
+    let text = chain(&e);
+    assert!(text.contains("EVALSHA"), "{text}");
+    assert!(text.contains("NOPERM"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_with_two_of_three_nodes_down_fails_fast() {
+    let mut nodes = Vec::new();
+    for _ in 0..3 {
+        let node = Redis::start().await;
+        // Up for longer than any lease: a fresh node abstains for one, not the subject here.
+        redis::cmd("SET")
+            .arg("dlimit:quorum:born")
+            .arg(0)
+            .exec_async(&mut node.conn().await)
+            .await
+            .unwrap();
+        nodes.push(node);
+    }
+    let urls: Vec<String> = nodes.iter().map(|node| node.url.clone()).collect();
+    let quorum = QuorumBackend::builder(&urls)
+        .call_timeout(CALL)
+        .connect_timeout(CONNECT)
+        .connect()
+        .await
+        .unwrap();
+    let sem = Semaphore::builder("q")
+        .limit(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .build(quorum)
+        .unwrap();
+    drop(sem.acquire().await.unwrap());
+
+    nodes[1].kill();
+    nodes[2].kill();
+    let first = refusals(&sem, 1).await[0];
+    assert!(first <= Duration::from_secs(3), "first {first:?}");
+    let later = refusals(&sem, 30).await;
+    let median = median(later);
+    assert!(median <= Duration::from_millis(20), "median {median:?}");
+
+    // A lazy quorum with nothing up starts too, and refuses at once.
+    let free: Vec<String> = (0..3)
+        .map(|_| format!("redis://127.0.0.1:{}", free_port()))
+        .collect();
+    let lazy = QuorumBackend::builder(&free).connect_lazy().unwrap();
+    let sem = Semaphore::builder("q").limit(2).build(lazy).unwrap();
+    let started = Instant::now();
+    assert!(matches!(sem.acquire().await, Err(Error::Backend(_))));
+    assert!(started.elapsed() <= Duration::from_millis(100));
+}
