@@ -215,4 +215,22 @@ async fn every_metric_is_emitted_with_its_labels() {
     );
     assert!(open.acquire().await.unwrap().is_degraded());
     assert_eq!(result("open", "degraded"), 1.0);
+
+    // The backend is marked down: later calls are refused at once, and counted as such.
+    let server = redis.url.trim_start_matches("redis://").to_owned();
+    assert!(matches!(closed.acquire().await, Err(Error::Backend(_))));
+    assert!(
+        metrics.get(
+            "dlimit_backend_fast_failures_total",
+            &[("backend", server.as_str())]
+        ) >= 1.0
+    );
+    assert!(
+        metrics
+            .update()
+            .keys()
+            .any(|(name, labels)| name == "dlimit_backend_up"
+                && labels == &[("backend".to_owned(), server.clone())]),
+        "no dlimit_backend_up for {server}"
+    );
 }

@@ -440,6 +440,11 @@ impl RedisBackendBuilder {
     /// for a `rediss://` URL, instead of the system's CAs: for a private CA or a self-signed
     /// server. May be called more than once; a PEM may hold several certificates.
     ///
+    /// The crate calls no `CryptoProvider::install_default` of its own, but redis-rs builds
+    /// its TLS configuration from the process default, and rustls sets that to ring by itself
+    /// at the first `rediss://` connection attempt. An application that uses another
+    /// provider (aws-lc-rs) installs it before the backend first connects.
+    ///
     /// # Example
     ///
     /// ```no_run
@@ -841,6 +846,9 @@ fn is_transient(e: &RedisError) -> bool {
 /// A first connection that failed: what failed, and what to check.
 fn connect_error(e: RedisError, target: &Target, label: &str) -> Error {
     let text = health::short(&e);
+    // Only where the message leaves the Redis text out is the error kept as the source: its
+    // own chain repeats the text.
+    let mut source = None;
     let message = if let Nodes::Sentinel(_, master) = &target.nodes {
         format!(
             "cannot reach the master {master:?} through the sentinels ({text}); check the \
@@ -861,6 +869,7 @@ fn connect_error(e: RedisError, target: &Target, label: &str) -> Error {
              is up and speaks TLS on this port (a plain-TCP port never answers the handshake)"
         )
     } else if e.is_connection_refusal() {
+        source = Some(Box::new(e) as _);
         format!(
             "cannot connect to Redis at {label}: connection refused; check that the server is \
              up and the URL's host and port are right (connect_lazy starts without it)"
@@ -871,7 +880,7 @@ fn connect_error(e: RedisError, target: &Target, label: &str) -> Error {
              reachable (connect_lazy starts without it)"
         )
     };
-    Error::backend(message, Some(Box::new(e) as _))
+    Error::backend(message, source)
 }
 
 /// Credentials or permissions the server refused, in words that say what to change.
@@ -895,10 +904,15 @@ fn access_problem(e: &RedisError) -> Option<&'static str> {
 }
 
 /// Says what a Redis failure of `what` on the server `label` means and what to do; the
-/// Redis error stays the [`source`](std::error::Error::source), its text not repeated.
+/// Redis error stays the [`source`](std::error::Error::source) where the message leaves its
+/// text out, so no text is repeated down the chain.
 fn redis_error(e: RedisError, what: &str, label: &str) -> Error {
     let message = if let Some(problem) = access_problem(&e) {
-        format!("Redis at {label} refused `{what}`: {problem}")
+        // The server's words add nothing here, and its error's chain repeats them.
+        return Error::backend(
+            format!("Redis at {label} refused `{what}`: {problem}"),
+            None,
+        );
     } else if e.is_timeout() {
         format!(
             "Redis at {label} did not answer `{what}` within the call timeout; it may be \
