@@ -1142,8 +1142,10 @@ async fn weight_by_takes_that_many_permits_and_refuses_overweight_at_once() {
     assert_eq!(available(&sem).await, 1, "a batch of 3 holds 3 permits");
     // Heavier than the whole limit: refused at once, not after the 10 s acquire timeout.
     let started = std::time::Instant::now();
+    // A configuration error, not an outage or a full limit: retrying it cannot help.
     let response = send(5).await;
-    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(response.headers()["x-dlimit-refusal"], "config");
     assert!(started.elapsed() < Duration::from_secs(2));
     // Two fit only once the batch is done.
     let pair = tokio::spawn(send(2));
@@ -1502,4 +1504,109 @@ async fn tonic_clients_see_the_rate_limit_of_the_combined_check() {
         }
     })
     .await;
+}
+
+/// `load_shed` over `acquire_in_poll_ready`, over a service that answers at once.
+fn shedding(
+    sem: &Semaphore,
+) -> impl Service<u32, Response = u32, Error = BoxError, Future: Send> + Clone + Send + 'static {
+    ServiceBuilder::new()
+        .load_shed()
+        .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).acquire_in_poll_ready())
+        .service(tower::service_fn(
+            |n: u32| async move { Ok::<_, BoxError>(n) },
+        ))
+}
+
+/// Sends `count` requests one at a time, each as `oneshot` on a clone (as a server does);
+/// returns how many were shed.
+async fn shed_of<S>(svc: &S, count: u32) -> u32
+where
+    S: Service<u32, Response = u32, Error = BoxError> + Clone,
+{
+    let mut shed = 0;
+    for n in 0..count {
+        match bounded("a request", svc.clone().oneshot(n)).await {
+            Ok(answer) => assert_eq!(answer, n),
+            Err(err) if err.is::<tower::load_shed::error::Overloaded>() => shed += 1,
+            Err(err) => panic!("{err}"),
+        }
+    }
+    shed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_shed_over_acquire_in_poll_ready_sheds_nothing_while_redis_has_room() {
+    let redis = Redis::start().await;
+    let sem = semaphore("room", 4, redis.backend().await);
+    let svc = shedding(&sem);
+    // A new service takes its first spare at once, in the background.
+    wait_available(&sem, 3).await;
+    let shed = shed_of(&svc, 50).await;
+    eprintln!("one at a time, oneshot on clones: {shed} of 50 shed");
+    assert_eq!(shed, 0);
+
+    // One service, one poll_ready per call, as LoadShed itself drives its inner service.
+    let mut one = svc.clone();
+    let mut shed = 0;
+    for n in 0..50 {
+        bounded("readiness", std::future::poll_fn(|cx| one.poll_ready(cx)))
+            .await
+            .unwrap();
+        if bounded("a request", one.call(n)).await.is_err() {
+            shed += 1;
+        }
+    }
+    eprintln!("one at a time, poll_ready then call: {shed} of 50 shed");
+    assert_eq!(shed, 0);
+    assert!(available(&sem).await >= 2, "spares stay few");
+
+    // Idle, the spares go back while the service lives; dropped, it holds nothing.
+    wait_available(&sem, 4).await;
+    assert_eq!(
+        shed_of(&svc, 1).await,
+        1,
+        "the first request after an idle spell"
+    );
+    drop((one, svc));
+    wait_available(&sem, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_shed_over_acquire_in_poll_ready_sheds_little_under_concurrent_load() {
+    let redis = Redis::start().await;
+    let sem = semaphore("busy-room", 4, redis.backend().await);
+    let svc = shedding(&sem);
+    wait_available(&sem, 3).await;
+    let loops: Vec<_> = (0..2)
+        .map(|_| {
+            let svc = svc.clone();
+            tokio::spawn(async move { shed_of(&svc, 200).await })
+        })
+        .collect();
+    let mut shed = 0;
+    for one in loops {
+        shed += bounded("a loop", one).await.unwrap();
+    }
+    eprintln!("two loops of 200 on a limit of 4: {shed} of 400 shed");
+    assert!(shed <= 20, "{shed} of 400 shed");
+    drop(svc);
+    wait_available(&sem, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_shed_over_acquire_in_poll_ready_sheds_when_redis_is_full() {
+    let redis = Redis::start().await;
+    for limit in [1, 4] {
+        let sem = semaphore(&format!("full-{limit}"), limit, redis.backend().await);
+        let held = sem.acquire_many(limit).await.unwrap();
+        let svc = shedding(&sem);
+        assert_eq!(shed_of(&svc, 20).await, 20, "limit {limit}: full sheds");
+        drop(held);
+        // Free again: served, by spares taken once the slots are back.
+        eventually(BOUND, "a request served", || async {
+            shed_of(&svc, 1).await == 0
+        })
+        .await;
+    }
 }
