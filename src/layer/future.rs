@@ -13,7 +13,7 @@ use tower::{BoxError, Service};
 use super::body::ResponseBody;
 use super::http::HttpSettings;
 use super::limiter::Acquire;
-use super::reserve::Held;
+use super::spares::Held;
 use super::token::{FencingToken, scoped};
 use crate::Error;
 

@@ -365,9 +365,26 @@ impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
     /// The default (the permit taken in the response future) is right for servers: hyper and
     /// axum call `poll_ready` per request anyway, and no permit ever sits in an idle service.
     /// Here a ready service holds a permit until it is called: a clone starts without one, and
-    /// a ready service dropped without a call releases its own; a reserved permit is renewed
+    /// a ready service dropped without a call gives its own back; a reserved permit is renewed
     /// like any other. A wait that runs out, or a failing backend, makes the service ready
     /// and fails the next call (an error from `poll_ready` would break a `Buffer` for good).
+    ///
+    /// **Spares.** On Redis an acquire is a round trip, so a `poll_ready` that had to start
+    /// one would be `Pending` and `LoadShed` would shed a request the semaphore has room for.
+    /// So the clones of one service share a few permits held ahead: a request's permit goes
+    /// back to them when it ends, and a `poll_ready` that finds none starts a background
+    /// `try_acquire` (never a wait in line) for the next; each second a spare older than a
+    /// second is swapped for a fresh `try_acquire`. A new
+    /// service takes its first spare at once. As many are kept as were lent out at once
+    /// during the last second, at most half the limit and 8; none for a limit of 1 or with
+    /// [`rate_limit`](Self::rate_limit) (a spare would spend rate for a request that may never
+    /// come). The trade-off: spares count against the global limit, so a busy service holds up
+    /// to that many slots more than it uses, and for up to a second another process's waiter
+    /// does not get a slot this one keeps; an idle service gives its spares back within about
+    /// two seconds (the first request after that may be shed), and a dropped one at once.
+    /// Requests served one after another by one permit see the same fencing token. Background
+    /// work needs a tokio runtime and is skipped without one; a background acquire dropped
+    /// with its runtime, or finished after the service is gone, releases what it took.
     ///
     /// One semaphore only: a partition or a weight needs the request, which `poll_ready` does
     /// not see, so `partitioned(..).acquire_in_poll_ready()` and `weight_by` with it do not

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use super::reserve::Held;
+use super::spares::Held;
 use crate::{Error, Permit, RateLimiter, Semaphore};
 
 /// Picks the semaphore a request counts against: a [`Semaphore`] for every request, or

@@ -9,7 +9,8 @@ use tower::{BoxError, Service};
 use super::flavour::{Http, Plain};
 use super::future::{HttpResponseFuture, Limited, ResponseFuture, Stamp, extension, unstamped};
 use super::limiter::{Limiter, Pick, Unweighted, Weigh};
-use super::reserve::{Reservation, Spares};
+use super::reserve::Reservation;
+use super::spares::Spares;
 use crate::Semaphore;
 
 /// A service whose requests each hold permits of a distributed semaphore while the inner
