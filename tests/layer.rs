@@ -298,11 +298,216 @@ async fn refusals_are_configurable_and_backend_failures_fail_closed() {
     assert!(response.headers().get("retry-after").is_none());
     drop(held);
 
-    // Redis gone: refused the same way, not let through.
+    // Redis gone: refused (not let through), but as an outage, not as a full limit: the
+    // status and body set for "no permit" are not used, the Retry-After hint is.
     redis.kill();
     let response = get_from(&client, custom, "/", None).await;
-    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.headers()["x-dlimit-refusal"], "outage");
     assert_eq!(response.headers()["retry-after"], "5");
+    assert_ne!(text(response).await, "slow down");
+}
+
+/// What a client may read in a refusal: short sentences, nothing meant for operators.
+fn assert_neutral(body: &str) {
+    for advice in [
+        "reject_when_full",
+        "redis",
+        "raise",
+        "limit's lease",
+        "max_waiters",
+        "drop ",
+    ] {
+        assert!(
+            !body.to_lowercase().contains(advice),
+            "{body:?} carries internal advice ({advice:?})"
+        );
+    }
+}
+
+/// The status, `x-dlimit-refusal` and body of one refusal, checked for neutrality.
+async fn refusal(response: Response<Incoming>) -> (StatusCode, String, String) {
+    let status = response.status();
+    let kind = response
+        .headers()
+        .get("x-dlimit-refusal")
+        .map(|kind| kind.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let body = text(response).await;
+    assert_neutral(&body);
+    (status, kind, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_kind_of_refusal_gets_its_own_answer() {
+    use tower_distributed_limit::RateLimiter;
+
+    let mut redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let sem = |timeout: Duration| {
+        Semaphore::builder("kinds")
+            .limit(1)
+            .acquire_timeout(timeout)
+            .max_waiters(1)
+            .build(backend.clone())
+            .unwrap()
+    };
+    let ok = Router::new().route("/", get(|| async { "ok" }));
+    let layer = |timeout| DistributedConcurrencyLimitLayer::new(sem(timeout)).http();
+    let rejecting = serve(ok.clone().layer(layer(BOUND).reject_when_full())).await;
+    let waiting = serve(ok.clone().layer(layer(BOUND))).await;
+    let impatient = serve(ok.clone().layer(layer(Duration::from_millis(100)))).await;
+    let rate = RateLimiter::builder("kinds")
+        .rate(1, Duration::from_secs(3600))
+        .build(backend.clone())
+        .unwrap();
+    let rated = serve(ok.clone().layer(layer(BOUND).rate_limit(rate))).await;
+    let keyed = serve(
+        ok.clone().layer(
+            DistributedConcurrencyLimitLayer::partitioned(api_key_partitions(backend.clone(), 8))
+                .http(),
+        ),
+    )
+    .await;
+    let client = client();
+    let mut answers = Vec::new();
+
+    // The rate limiter's one request passes, the next is over the rate.
+    assert_eq!(text(get_from(&client, rated, "/", None).await).await, "ok");
+    let response = get_from(&client, rated, "/", None).await;
+    assert!(
+        response.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            > 1
+    );
+    answers.push(refusal(response).await);
+
+    let held = sem(BOUND).acquire().await.unwrap();
+    answers.push(refusal(get_from(&client, rejecting, "/", None).await).await);
+    answers.push(refusal(get_from(&client, impatient, "/", None).await).await);
+    // One request waits in line (max_waiters 1), so the next one is refused at once.
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { get_from(&client, waiting, "/", None).await.status() }
+    });
+    eventually(BOUND, "a waiter in line", || async {
+        redis.queue_len("kinds").await == 1
+    })
+    .await;
+    answers.push(refusal(get_from(&client, waiting, "/", None).await).await);
+    drop(held);
+    assert_eq!(bounded("the waiter", first).await.unwrap(), StatusCode::OK);
+
+    answers.push(refusal(get_from(&client, keyed, "/", None).await).await);
+    redis.kill();
+    answers.push(refusal(get_from(&client, rejecting, "/", None).await).await);
+
+    let expected = [
+        (StatusCode::TOO_MANY_REQUESTS, "rate-limited"),
+        (StatusCode::SERVICE_UNAVAILABLE, "full"),
+        (StatusCode::SERVICE_UNAVAILABLE, "timeout"),
+        (StatusCode::SERVICE_UNAVAILABLE, "too-many-waiters"),
+        (StatusCode::BAD_REQUEST, "bad-key"),
+        (StatusCode::SERVICE_UNAVAILABLE, "outage"),
+    ];
+    for ((status, kind, body), (want_status, want_kind)) in answers.iter().zip(expected) {
+        assert_eq!(
+            (*status, kind.as_str()),
+            (want_status, want_kind),
+            "{body:?}"
+        );
+    }
+    let mut bodies: Vec<&str> = answers.iter().map(|(_, _, body)| body.as_str()).collect();
+    bodies.sort_unstable();
+    bodies.dedup();
+    assert_eq!(
+        bodies.len(),
+        expected.len(),
+        "one body per kind: {answers:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_refusal_hook_gets_the_error_and_its_answer_is_sent() {
+    let mut redis = Redis::start().await;
+    let sem = semaphore("hooked", 1, redis.backend().await);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let layer = DistributedConcurrencyLimitLayer::new(sem.clone())
+        .http()
+        .reject_when_full()
+        .on_refusal({
+            let seen = seen.clone();
+            move |error: &Error| {
+                let kind = match error {
+                    Error::Full => "full",
+                    Error::Backend(_) => "outage",
+                    _ => "other",
+                };
+                seen.lock().unwrap().push(kind);
+                Response::builder()
+                    .status(StatusCode::IM_A_TEAPOT)
+                    .header("x-kind", kind)
+                    .body(Bytes::from(format!("hooked: {kind}")))
+                    .ok()
+            }
+        });
+    let addr = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer),
+    )
+    .await;
+    let client = client();
+    assert_eq!(text(get_from(&client, addr, "/", None).await).await, "ok");
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "an admitted request is no refusal"
+    );
+
+    let held = sem.acquire().await.unwrap();
+    let response = get_from(&client, addr, "/", None).await;
+    assert_eq!(response.status(), StatusCode::IM_A_TEAPOT);
+    assert_eq!(response.headers()["x-kind"], "full");
+    assert_eq!(text(response).await, "hooked: full");
+    drop(held);
+
+    redis.kill();
+    let response = get_from(&client, addr, "/", None).await;
+    assert_eq!(response.headers()["x-kind"], "outage");
+    assert_eq!(text(response).await, "hooked: outage");
+    assert_eq!(*seen.lock().unwrap(), ["full", "outage"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hook_that_declines_leaves_the_default_answer() {
+    let sem = semaphore("declined", 1, MemoryBackend::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = DistributedConcurrencyLimitLayer::new(sem.clone())
+        .http()
+        .reject_when_full()
+        .on_refusal({
+            let calls = calls.clone();
+            move |_: &Error| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                None
+            }
+        });
+    let addr = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer),
+    )
+    .await;
+    let _held = sem.acquire().await.unwrap();
+    let (status, kind, _) = refusal(get_from(&client(), addr, "/", None).await).await;
+    assert_eq!(
+        (status, kind.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "full")
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
 /// A route whose body streams what the test sends, so the test decides when it ends.
@@ -706,7 +911,7 @@ async fn tonic_clients_see_resource_exhausted_and_unavailable() {
                     .reject_when_full()
                     .grpc(),
             )
-            .service(channel),
+            .service(channel.clone()),
     );
     let check = || HealthCheckRequest {
         service: String::new(),
@@ -715,18 +920,41 @@ async fn tonic_clients_see_resource_exhausted_and_unavailable() {
         .await
         .unwrap();
 
+    // The same limit, waiting 100 ms at most.
+    let impatient = Semaphore::builder("grpc")
+        .limit(1)
+        .acquire_timeout(Duration::from_millis(100))
+        .build(redis.backend().await)
+        .unwrap();
+    let mut waiting = HealthClient::new(
+        ServiceBuilder::new()
+            .layer(DistributedConcurrencyLimitLayer::new(impatient).grpc())
+            .service(channel),
+    );
+
     let held = sem.acquire().await.unwrap();
-    let status = bounded("a refusal", client.check(check()))
+    let full = bounded("a refusal", client.check(check()))
         .await
         .unwrap_err();
-    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(full.code(), Code::ResourceExhausted, "{full:?}");
+    let timeout = bounded("a timeout", waiting.check(check()))
+        .await
+        .unwrap_err();
+    assert_eq!(timeout.code(), Code::ResourceExhausted, "{timeout:?}");
     drop(held);
 
     redis.kill();
-    let status = bounded("a backend failure", client.check(check()))
+    let outage = bounded("a backend failure", client.check(check()))
         .await
         .unwrap_err();
-    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(outage.code(), Code::Unavailable, "{outage:?}");
+    for status in [&full, &timeout, &outage] {
+        assert_neutral(status.message());
+    }
+    assert_ne!(full.message(), timeout.message());
+    assert_ne!(full.message(), outage.message());
+    assert_eq!(full.metadata().get("x-dlimit-refusal").unwrap(), "full");
+    assert_eq!(outage.metadata().get("x-dlimit-refusal").unwrap(), "outage");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -914,8 +1142,10 @@ async fn weight_by_takes_that_many_permits_and_refuses_overweight_at_once() {
     assert_eq!(available(&sem).await, 1, "a batch of 3 holds 3 permits");
     // Heavier than the whole limit: refused at once, not after the 10 s acquire timeout.
     let started = std::time::Instant::now();
+    // A configuration error, not an outage or a full limit: retrying it cannot help.
     let response = send(5).await;
-    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(response.headers()["x-dlimit-refusal"], "config");
     assert!(started.elapsed() < Duration::from_secs(2));
     // Two fit only once the batch is done.
     let pair = tokio::spawn(send(2));
@@ -1274,4 +1504,109 @@ async fn tonic_clients_see_the_rate_limit_of_the_combined_check() {
         }
     })
     .await;
+}
+
+/// `load_shed` over `acquire_in_poll_ready`, over a service that answers at once.
+fn shedding(
+    sem: &Semaphore,
+) -> impl Service<u32, Response = u32, Error = BoxError, Future: Send> + Clone + Send + 'static {
+    ServiceBuilder::new()
+        .load_shed()
+        .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).acquire_in_poll_ready())
+        .service(tower::service_fn(
+            |n: u32| async move { Ok::<_, BoxError>(n) },
+        ))
+}
+
+/// Sends `count` requests one at a time, each as `oneshot` on a clone (as a server does);
+/// returns how many were shed.
+async fn shed_of<S>(svc: &S, count: u32) -> u32
+where
+    S: Service<u32, Response = u32, Error = BoxError> + Clone,
+{
+    let mut shed = 0;
+    for n in 0..count {
+        match bounded("a request", svc.clone().oneshot(n)).await {
+            Ok(answer) => assert_eq!(answer, n),
+            Err(err) if err.is::<tower::load_shed::error::Overloaded>() => shed += 1,
+            Err(err) => panic!("{err}"),
+        }
+    }
+    shed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_shed_over_acquire_in_poll_ready_sheds_nothing_while_redis_has_room() {
+    let redis = Redis::start().await;
+    let sem = semaphore("room", 4, redis.backend().await);
+    let svc = shedding(&sem);
+    // A new service takes its first spare at once, in the background.
+    wait_available(&sem, 3).await;
+    let shed = shed_of(&svc, 50).await;
+    eprintln!("one at a time, oneshot on clones: {shed} of 50 shed");
+    assert_eq!(shed, 0);
+
+    // One service, one poll_ready per call, as LoadShed itself drives its inner service.
+    let mut one = svc.clone();
+    let mut shed = 0;
+    for n in 0..50 {
+        bounded("readiness", std::future::poll_fn(|cx| one.poll_ready(cx)))
+            .await
+            .unwrap();
+        if bounded("a request", one.call(n)).await.is_err() {
+            shed += 1;
+        }
+    }
+    eprintln!("one at a time, poll_ready then call: {shed} of 50 shed");
+    assert_eq!(shed, 0);
+    assert!(available(&sem).await >= 2, "spares stay few");
+
+    // Idle, the spares go back while the service lives; dropped, it holds nothing.
+    wait_available(&sem, 4).await;
+    assert_eq!(
+        shed_of(&svc, 1).await,
+        1,
+        "the first request after an idle spell"
+    );
+    drop((one, svc));
+    wait_available(&sem, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_shed_over_acquire_in_poll_ready_sheds_little_under_concurrent_load() {
+    let redis = Redis::start().await;
+    let sem = semaphore("busy-room", 4, redis.backend().await);
+    let svc = shedding(&sem);
+    wait_available(&sem, 3).await;
+    let loops: Vec<_> = (0..2)
+        .map(|_| {
+            let svc = svc.clone();
+            tokio::spawn(async move { shed_of(&svc, 200).await })
+        })
+        .collect();
+    let mut shed = 0;
+    for one in loops {
+        shed += bounded("a loop", one).await.unwrap();
+    }
+    eprintln!("two loops of 200 on a limit of 4: {shed} of 400 shed");
+    assert!(shed <= 20, "{shed} of 400 shed");
+    drop(svc);
+    wait_available(&sem, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_shed_over_acquire_in_poll_ready_sheds_when_redis_is_full() {
+    let redis = Redis::start().await;
+    for limit in [1, 4] {
+        let sem = semaphore(&format!("full-{limit}"), limit, redis.backend().await);
+        let held = sem.acquire_many(limit).await.unwrap();
+        let svc = shedding(&sem);
+        assert_eq!(shed_of(&svc, 20).await, 20, "limit {limit}: full sheds");
+        drop(held);
+        // Free again: served, by spares taken once the slots are back.
+        eventually(BOUND, "a request served", || async {
+            shed_of(&svc, 1).await == 0
+        })
+        .await;
+    }
 }

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::Permit;
+use super::spares::Held;
 
 pin_project! {
     /// The body of a response from [`HttpConcurrencyLimit`](super::HttpConcurrencyLimit).
@@ -49,7 +49,7 @@ pin_project! {
         Inner {
             #[pin]
             body: B,
-            permit: Option<Permit>,
+            permit: Option<Held>,
         },
         Refusal {
             data: Option<Bytes>,
@@ -59,7 +59,7 @@ pin_project! {
 
 impl<B> ResponseBody<B> {
     /// The inner body; `permit` is dropped (released) when it finishes.
-    pub(crate) fn new(body: B, permit: Option<Permit>) -> Self {
+    pub(crate) fn new(body: B, permit: Option<Held>) -> Self {
         ResponseBody {
             kind: Kind::Inner { body, permit },
         }

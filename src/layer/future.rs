@@ -13,8 +13,9 @@ use tower::{BoxError, Service};
 use super::body::ResponseBody;
 use super::http::HttpSettings;
 use super::limiter::Acquire;
+use super::spares::Held;
 use super::token::{FencingToken, scoped};
-use crate::{Error, Permit};
+use crate::Error;
 
 /// How a [`Limited`] future ended without a response.
 pub(crate) enum Failure<E> {
@@ -54,7 +55,7 @@ pin_project! {
         Calling {
             #[pin]
             future: S::Future,
-            permit: Option<Permit>,
+            permit: Option<Held>,
             token: FencingToken,
             // Resolves if the lease is lost first (only when the layer aborts on it).
             lost: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
@@ -89,7 +90,7 @@ impl<S, R> Future for Limited<S, R>
 where
     S: Service<R>,
 {
-    type Output = Result<(S::Response, Permit), Failure<S::Error>>;
+    type Output = Result<(S::Response, Held), Failure<S::Error>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {

@@ -1,31 +1,37 @@
-//! How the gRPC flavour answers a request that got no permit: a trailers-only response whose
+//! How the gRPC flavour answers a refused request: a trailers-only response whose
 //! `grpc-status` a tonic client reads as a `Status`, and a tonic server sends as is.
 
 use bytes::Bytes;
-use http::Response;
+use http::{HeaderValue, Response};
 use tonic::{Code, Status};
 
-use super::body::ResponseBody;
+use super::http::{REFUSAL_HEADER, Refusal};
 use crate::Error;
 
-/// A full semaphore or a spent rate limit is `RESOURCE_EXHAUSTED`; a bad partition key or a request heavier than the
-/// limit `INVALID_ARGUMENT`; a lost lease `ABORTED`; a failing backend `UNAVAILABLE` (worth a
-/// retry later).
-pub(crate) fn code(error: &Error) -> Code {
-    match error {
-        Error::Full
-        | Error::Timeout { .. }
-        | Error::TooManyWaiters { .. }
-        | Error::RateLimited { .. } => Code::ResourceExhausted,
-        Error::BadKey(_) | Error::Config(_) => Code::InvalidArgument,
-        Error::LeaseLost => Code::Aborted,
-        _ => Code::Unavailable,
+/// No permit or no rate left is `RESOURCE_EXHAUSTED`; a failing backend `UNAVAILABLE` (worth a
+/// retry later); a bad partition key or a request heavier than the limit `INVALID_ARGUMENT`; a
+/// lost lease `ABORTED`.
+fn code(refusal: Refusal) -> Code {
+    match refusal {
+        Refusal::Full | Refusal::Timeout | Refusal::TooManyWaiters | Refusal::RateLimited => {
+            Code::ResourceExhausted
+        }
+        Refusal::Outage => Code::Unavailable,
+        Refusal::BadKey | Refusal::Config => Code::InvalidArgument,
+        Refusal::LeaseLost => Code::Aborted,
     }
 }
 
-/// HTTP 200, `content-type: application/grpc`, `grpc-status` and `grpc-message`, no body.
-pub(crate) fn response<B>(error: Error) -> Response<ResponseBody<B>> {
-    Status::new(code(&error), error.to_string())
+/// HTTP 200, `content-type: application/grpc`, `grpc-status`, `grpc-message` (the refusal's
+/// client-facing sentence, never the error's advice to operators) and `x-dlimit-refusal`, no
+/// body.
+pub(crate) fn response(error: &Error) -> Response<Bytes> {
+    let refusal = Refusal::of(error);
+    let mut response = Status::new(code(refusal), refusal.sentence().trim_end())
         .into_http::<()>()
-        .map(|()| ResponseBody::refusal(Bytes::new()))
+        .map(|()| Bytes::new());
+    response
+        .headers_mut()
+        .insert(REFUSAL_HEADER, HeaderValue::from_static(refusal.name()));
+    response
 }

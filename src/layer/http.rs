@@ -1,5 +1,7 @@
-//! How the HTTP flavour answers a request that got no permit.
+//! How the HTTP flavour answers a refused request: one kind of [`Refusal`] per error, each with
+//! its own status, sentence and `x-dlimit-refusal`, shared with the rate layer and the gRPC answer.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -9,12 +11,25 @@ use http::{Response, StatusCode};
 use super::body::ResponseBody;
 use crate::Error;
 
-const DEFAULT_BODY: &str = "the service is at its concurrency limit; retry later\n";
-const BAD_KEY_BODY: &str = "the request's partition key is missing or invalid\n";
-const RATE_LIMITED_BODY: &str = "rate limit reached; retry after the time in Retry-After\n";
-
 /// `RateLimit-Policy`, from the IETF httpapi ratelimit-headers draft.
 pub(crate) const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+
+/// `x-dlimit-refusal`: which kind of refusal a response the layer made itself is (see
+/// [`Refusal::name`]), so clients and dashboards tell an outage from a full limit.
+pub(crate) const REFUSAL_HEADER: HeaderName = HeaderName::from_static("x-dlimit-refusal");
+
+/// The hook's shape: the answer to a refusal, or `None` for the default one.
+pub(crate) type OnRefusalFn = dyn Fn(&Error) -> Option<Response<Bytes>> + Send + Sync;
+
+/// The hook set with [`on_refusal`](super::DistributedConcurrencyLimitLayer::on_refusal).
+#[derive(Clone)]
+pub(crate) struct OnRefusal(pub(crate) Arc<OnRefusalFn>);
+
+impl std::fmt::Debug for OnRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnRefusal(..)")
+    }
+}
 
 /// How refusals are answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,12 +45,16 @@ pub(crate) enum Answer {
 #[derive(Debug, Clone)]
 pub(crate) struct HttpSettings {
     pub(crate) answer: Answer,
+    /// The status of a no-permit answer (full, timeout, too many waiters).
     pub(crate) status: StatusCode,
-    pub(crate) body: Bytes,
+    /// The body of a no-permit answer; `None`: each kind's own sentence.
+    pub(crate) body: Option<Bytes>,
+    /// The `Retry-After` of the layer's own 503 answers.
     pub(crate) retry_after: Option<Duration>,
     pub(crate) hold_until_body_end: bool,
     /// Send `RateLimit-Policy` on refusals.
     pub(crate) policy_header: bool,
+    pub(crate) on_refusal: Option<OnRefusal>,
 }
 
 impl Default for HttpSettings {
@@ -43,11 +62,122 @@ impl Default for HttpSettings {
         HttpSettings {
             answer: Answer::Http,
             status: StatusCode::SERVICE_UNAVAILABLE,
-            body: Bytes::from_static(DEFAULT_BODY.as_bytes()),
+            body: None,
             retry_after: Some(Duration::from_secs(1)),
             hold_until_body_end: true,
             policy_header: false,
+            on_refusal: None,
         }
+    }
+}
+
+/// The kinds of refusal, one per answer: what a client is told, in both layers and every
+/// flavour. The sentences are for clients: short, neutral, no advice to operators (that goes
+/// to the log, with the error itself).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    Full,
+    Timeout,
+    TooManyWaiters,
+    Outage,
+    RateLimited,
+    BadKey,
+    LeaseLost,
+    Config,
+}
+
+impl Refusal {
+    pub(crate) fn of(error: &Error) -> Self {
+        match error {
+            Error::Full => Refusal::Full,
+            Error::Timeout { .. } => Refusal::Timeout,
+            Error::TooManyWaiters { .. } => Refusal::TooManyWaiters,
+            Error::Backend(_) => Refusal::Outage,
+            Error::RateLimited { .. } => Refusal::RateLimited,
+            Error::BadKey(_) => Refusal::BadKey,
+            Error::LeaseLost => Refusal::LeaseLost,
+            Error::Config(_) => Refusal::Config,
+        }
+    }
+
+    /// The value of `x-dlimit-refusal`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Refusal::Full => "full",
+            Refusal::Timeout => "timeout",
+            Refusal::TooManyWaiters => "too-many-waiters",
+            Refusal::Outage => "outage",
+            Refusal::RateLimited => "rate-limited",
+            Refusal::BadKey => "bad-key",
+            Refusal::LeaseLost => "lease-lost",
+            Refusal::Config => "config",
+        }
+    }
+
+    /// What the client is told: the body of an HTTP answer, the message of a gRPC one.
+    pub(crate) fn sentence(self) -> &'static str {
+        match self {
+            Refusal::Full => "the service is at its concurrency limit; retry later\n",
+            Refusal::Timeout => "no slot became free in time; retry later\n",
+            Refusal::TooManyWaiters => "too many requests are waiting; retry later\n",
+            Refusal::Outage => "the limit's backend is unavailable; retry later\n",
+            Refusal::RateLimited => "the rate limit was reached; retry later\n",
+            Refusal::BadKey => "the request's partition key is missing or invalid\n",
+            Refusal::LeaseLost => "the request was interrupted; retry later\n",
+            Refusal::Config => "the service cannot admit this request\n",
+        }
+    }
+
+    /// No permit was free: the answer `status` and `body` configure.
+    fn no_permit(self) -> bool {
+        matches!(
+            self,
+            Refusal::Full | Refusal::Timeout | Refusal::TooManyWaiters
+        )
+    }
+
+    /// The default status of an HTTP answer.
+    fn status(self) -> StatusCode {
+        match self {
+            Refusal::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::BadKey => StatusCode::BAD_REQUEST,
+            Refusal::Config => StatusCode::INTERNAL_SERVER_ERROR,
+            _ => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// `Retry-After`: the rate limit's own time; `hint` for what retrying later cures; none
+    /// where retrying the same request does not help.
+    fn retry_after(self, error: &Error, hint: Option<Duration>) -> Option<Duration> {
+        match (self, error) {
+            (_, Error::RateLimited { retry_after }) => Some(*retry_after),
+            (Refusal::BadKey | Refusal::Config, _) => None,
+            _ => hint,
+        }
+    }
+
+    /// The plain-text answer, with `x-dlimit-refusal`: `status` and `body` replace the
+    /// default ones when given.
+    pub(crate) fn answer(
+        self,
+        error: &Error,
+        status: Option<StatusCode>,
+        body: Option<Bytes>,
+        retry_hint: Option<Duration>,
+    ) -> Response<Bytes> {
+        let body = body.unwrap_or_else(|| Bytes::from_static(self.sentence().as_bytes()));
+        let mut response = Response::new(body);
+        *response.status_mut() = status.unwrap_or_else(|| self.status());
+        let headers = response.headers_mut();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        headers.insert(REFUSAL_HEADER, HeaderValue::from_static(self.name()));
+        if let Some(after) = self.retry_after(error, retry_hint) {
+            headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
+        }
+        response
     }
 }
 
@@ -55,11 +185,14 @@ impl HttpSettings {
     /// The answer to a refused request; `limit` is the picked semaphore's, if one was picked.
     pub(crate) fn reject<B>(&self, error: Error, limit: Option<u32>) -> Response<ResponseBody<B>> {
         log(&error);
-        let mut response = match self.answer {
-            Answer::Http => self.http(&error),
+        let hooked = self.on_refusal.as_ref().and_then(|hook| (hook.0)(&error));
+        let mut response = match (hooked, self.answer) {
+            (Some(response), _) => response,
+            (None, Answer::Http) => self.http(&error),
             #[cfg(feature = "tonic")]
-            Answer::Grpc => super::grpc::response(error),
-        };
+            (None, Answer::Grpc) => super::grpc::response(&error),
+        }
+        .map(ResponseBody::refusal);
         if let Some(limit) = limit.filter(|_| self.policy_header) {
             response
                 .headers_mut()
@@ -68,33 +201,17 @@ impl HttpSettings {
         response
     }
 
-    /// A full semaphore, a failing backend and a weight above the limit get the configured
-    /// answer (fail closed); a missing or invalid partition key is the client's fault: 400.
-    fn http<B>(&self, error: &Error) -> Response<ResponseBody<B>> {
-        let (status, body, retry_after) = match error {
-            Error::BadKey(_) => (
-                StatusCode::BAD_REQUEST,
-                Bytes::from_static(BAD_KEY_BODY.as_bytes()),
-                None,
-            ),
-            Error::RateLimited { retry_after } => (
-                StatusCode::TOO_MANY_REQUESTS,
-                Bytes::from_static(RATE_LIMITED_BODY.as_bytes()),
-                Some(*retry_after),
-            ),
-            _ => (self.status, self.body.clone(), self.retry_after),
-        };
-        let mut response = Response::new(ResponseBody::refusal(body));
-        *response.status_mut() = status;
-        let headers = response.headers_mut();
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; charset=utf-8"),
-        );
-        if let Some(after) = retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
-        }
-        response
+    /// Each kind of refusal gets its own answer; `status` and `body` replace those of a
+    /// no-permit one, `retry_after` is the hint of every 503.
+    fn http(&self, error: &Error) -> Response<Bytes> {
+        let refusal = Refusal::of(error);
+        let no_permit = refusal.no_permit();
+        refusal.answer(
+            error,
+            no_permit.then_some(self.status),
+            self.body.clone().filter(|_| no_permit),
+            self.retry_after,
+        )
     }
 }
 

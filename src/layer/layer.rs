@@ -1,5 +1,6 @@
 //! The layer and its builder methods, for every flavour.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -223,12 +224,48 @@ impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
         self
     }
 
-    /// The HTTP flavour: a refused request is answered 503 Service Unavailable with
-    /// `Retry-After: 1`, the permit is held until the response body ends, and the handler also
-    /// finds the [`FencingToken`](super::FencingToken) in the request's extensions. A failing
-    /// backend and a request heavier than the limit get the same answer (fail closed); a
-    /// missing or invalid partition key gets 400. Callable before or after any other builder
-    /// method; on a `grpc` layer it switches back to HTTP answers, keeping the settings.
+    /// The HTTP flavour: the layer answers a refused request itself, the permit is held until
+    /// the response body ends, and the handler also finds the
+    /// [`FencingToken`](super::FencingToken) in the request's extensions. Callable before or
+    /// after any other builder method; on a `grpc` layer it switches back to HTTP answers,
+    /// keeping the settings.
+    ///
+    /// Each kind of refusal has its own answer: a plain-text sentence for the client (no
+    /// advice to operators: that is logged), and the header `x-dlimit-refusal` naming the kind,
+    /// so clients and dashboards tell an outage from a full limit:
+    ///
+    /// | refusal | status | `x-dlimit-refusal` | `Retry-After` |
+    /// |---|---|---|---|
+    /// | [`Error::Full`](crate::Error::Full) (with [`reject_when_full`](Self::reject_when_full)) | 503 | `full` | [`retry_after`](DistributedConcurrencyLimitLayer::retry_after), 1 s |
+    /// | [`Error::Timeout`](crate::Error::Timeout): no slot came free within the acquire timeout | 503 | `timeout` | the same |
+    /// | [`Error::TooManyWaiters`](crate::Error::TooManyWaiters) | 503 | `too-many-waiters` | the same |
+    /// | [`Error::Backend`](crate::Error::Backend): the backend failed and its outage policy refused (fail closed) | 503 | `outage` | the same |
+    /// | [`Error::RateLimited`](crate::Error::RateLimited) (with [`rate_limit`](Self::rate_limit)) | 429 | `rate-limited` | the limiter's time |
+    /// | [`Error::LeaseLost`](crate::Error::LeaseLost) (with [`abort_when_lease_lost`](Self::abort_when_lease_lost)) | 503 | `lease-lost` | the same as `full` |
+    /// | [`Error::BadKey`](crate::Error::BadKey): a missing or invalid partition key | 400 | `bad-key` | none |
+    /// | [`Error::Config`](crate::Error::Config): a weight of 0 or above the limit | 500 | `config` | none |
+    ///
+    /// [`status`](DistributedConcurrencyLimitLayer::status) and [`body`](DistributedConcurrencyLimitLayer::body)
+    /// change the first three (no permit); [`on_refusal`](DistributedConcurrencyLimitLayer::on_refusal)
+    /// builds any answer itself.
+    ///
+    /// ```
+    /// use tower::{ServiceExt, service_fn};
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+    /// let sem = Semaphore::builder("pages").limit(1).build(MemoryBackend::new())?;
+    /// let svc = tower::ServiceBuilder::new()
+    ///     .layer(DistributedConcurrencyLimitLayer::new(sem.clone()).http().reject_when_full())
+    ///     .service(service_fn(|_: http::Request<()>| async {
+    ///         Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+    ///     }));
+    /// let _held = sem.acquire().await?;
+    /// let response = svc.oneshot(http::Request::new(())).await?;
+    /// assert_eq!(response.status(), 503);
+    /// assert_eq!(response.headers()["x-dlimit-refusal"], "full");
+    /// # Ok(()) }
+    /// ```
     pub fn http(self) -> DistributedConcurrencyLimitLayer<Http, K, W>
     where
         F: Into<Http>,
@@ -242,12 +279,16 @@ impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
     }
 
     /// The gRPC flavour, for tonic servers and clients: a refused request is answered with a
-    /// gRPC status in a trailers-only response (HTTP 200, `grpc-status`, `grpc-message`):
-    /// `RESOURCE_EXHAUSTED` when no permit came free, `UNAVAILABLE` when the backend failed,
-    /// `INVALID_ARGUMENT` for a bad partition key or a request heavier than the limit,
-    /// `ABORTED` for a lost lease. A tonic server sends it as is; a tonic client reads it as
-    /// the `Status` its call returns. Otherwise like [`http`](Self::http): the permit is held
-    /// until the response body ends (a streaming RPC keeps its slot).
+    /// gRPC status in a trailers-only response (HTTP 200, `grpc-status`, `grpc-message`,
+    /// `x-dlimit-refusal`): `RESOURCE_EXHAUSTED` when no permit came free (full, timeout, too
+    /// many waiters) or the rate limit was reached, each with its own message; `UNAVAILABLE`
+    /// when the backend failed; `INVALID_ARGUMENT` for a bad partition key or a request heavier
+    /// than the limit; `ABORTED` for a lost lease. Messages are the same short sentences as
+    /// the HTTP bodies, never the error's advice to operators. A tonic server sends it as is; a
+    /// tonic client reads it as the `Status` its call returns. Otherwise like
+    /// [`http`](Self::http): the permit is held until the response body ends (a streaming RPC
+    /// keeps its slot), and [`on_refusal`](DistributedConcurrencyLimitLayer::on_refusal) replaces
+    /// the answer.
     ///
     /// ```
     /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
@@ -270,7 +311,7 @@ impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
 impl<F, K> DistributedConcurrencyLimitLayer<F, K, Unweighted> {
     /// A request takes `weight(&request)` permits, as one holder (a batch of 8 images takes 8
     /// slots of a GPU limited to 20). A weight of 0 or above the limit is refused at once,
-    /// never waited for: [`Error::Config`](crate::Error::Config) in the generic flavour, 503
+    /// never waited for: [`Error::Config`](crate::Error::Config) in the generic flavour, 500
     /// in the HTTP one, `INVALID_ARGUMENT` in the gRPC one.
     ///
     /// Not available with [`acquire_in_poll_ready`](Self::acquire_in_poll_ready): `poll_ready`
@@ -324,9 +365,26 @@ impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
     /// The default (the permit taken in the response future) is right for servers: hyper and
     /// axum call `poll_ready` per request anyway, and no permit ever sits in an idle service.
     /// Here a ready service holds a permit until it is called: a clone starts without one, and
-    /// a ready service dropped without a call releases its own; a reserved permit is renewed
+    /// a ready service dropped without a call gives its own back; a reserved permit is renewed
     /// like any other. A wait that runs out, or a failing backend, makes the service ready
     /// and fails the next call (an error from `poll_ready` would break a `Buffer` for good).
+    ///
+    /// **Spares.** On Redis an acquire is a round trip, so a `poll_ready` that had to start
+    /// one would be `Pending` and `LoadShed` would shed a request the semaphore has room for.
+    /// So the clones of one service share a few permits held ahead: a request's permit goes
+    /// back to them when it ends, and a `poll_ready` that finds none starts a background
+    /// `try_acquire` (never a wait in line) for the next; each second a spare older than a
+    /// second is swapped for a fresh `try_acquire`. A new
+    /// service takes its first spare at once. As many are kept as were lent out at once
+    /// during the last second, at most half the limit and 8; none for a limit of 1 or with
+    /// [`rate_limit`](Self::rate_limit) (a spare would spend rate for a request that may never
+    /// come). The trade-off: spares count against the global limit, so a busy service holds up
+    /// to that many slots more than it uses, and for up to a second another process's waiter
+    /// does not get a slot this one keeps; an idle service gives its spares back within about
+    /// two seconds (the first request after that may be shed), and a dropped one at once.
+    /// Requests served one after another by one permit see the same fencing token. Background
+    /// work needs a tokio runtime and is skipped without one; a background acquire dropped
+    /// with its runtime, or finished after the service is gone, releases what it took.
     ///
     /// One semaphore only: a partition or a weight needs the request, which `poll_ready` does
     /// not see, so `partitioned(..).acquire_in_poll_ready()` and `weight_by` with it do not
@@ -374,7 +432,11 @@ impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
 }
 
 impl<K, W> DistributedConcurrencyLimitLayer<Http, K, W> {
-    /// The status of a refused request (default 503 Service Unavailable).
+    /// The status of a request that got no permit: [`Error::Full`](crate::Error::Full),
+    /// [`Error::Timeout`](crate::Error::Timeout) and
+    /// [`Error::TooManyWaiters`](crate::Error::TooManyWaiters) (default 503 Service
+    /// Unavailable). Other refusals keep their own status (see [`http`](DistributedConcurrencyLimitLayer::http)):
+    /// an outage stays a 503 with its own body, so it is never mistaken for a full limit.
     ///
     /// ```
     /// use http::StatusCode;
@@ -389,7 +451,9 @@ impl<K, W> DistributedConcurrencyLimitLayer<Http, K, W> {
         self
     }
 
-    /// The body of a refused request (default: a short plain-text sentence).
+    /// The body of a request that got no permit (full, timeout, too many waiters), the same
+    /// for the three. By default each has its own short plain-text sentence; other refusals
+    /// always keep theirs.
     ///
     /// ```
     /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
@@ -399,12 +463,13 @@ impl<K, W> DistributedConcurrencyLimitLayer<Http, K, W> {
     /// # let _ = layer;
     /// ```
     pub fn body(mut self, body: impl Into<Bytes>) -> Self {
-        self.flavour.settings_mut().body = body.into();
+        self.flavour.settings_mut().body = Some(body.into());
         self
     }
 
-    /// The `Retry-After` of a refused request, in whole seconds rounded up (default 1 s);
-    /// `None` sends none.
+    /// The `Retry-After` of the layer's own 503 answers (no permit, an outage, a lost lease),
+    /// in whole seconds rounded up (default 1 s); `None` sends none. A rate-limited request
+    /// always gets the limiter's own time; a bad key or a bad weight gets none.
     ///
     /// ```
     /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
@@ -446,6 +511,53 @@ impl<K, W> DistributedConcurrencyLimitLayer<Http, K, W> {
     /// ```
     pub fn ratelimit_policy_header(mut self) -> Self {
         self.flavour.settings_mut().policy_header = true;
+        self
+    }
+
+    /// Builds the answer to every refusal: `hook` gets the [`Error`](crate::Error) and returns
+    /// the response to send, or `None` for the layer's own (see
+    /// [`http`](DistributedConcurrencyLimitLayer::http)). Its response is sent as is (plus
+    /// `RateLimit-Policy` if asked for), in the HTTP and the gRPC flavour alike. The error's
+    /// `Display` carries advice for operators; build client-facing text from its variant.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use tower::{ServiceExt, service_fn};
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Error, MemoryBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+    /// let sem = Semaphore::builder("api").limit(1).build(MemoryBackend::new())?;
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem.clone())
+    ///     .http()
+    ///     .reject_when_full()
+    ///     .on_refusal(|error: &Error| {
+    ///         let code = match error {
+    ///             Error::Full | Error::Timeout { .. } => "busy",
+    ///             _ => return None, // the default answer
+    ///         };
+    ///         let body = Bytes::from(format!("{{\"error\":\"{code}\"}}"));
+    ///         http::Response::builder()
+    ///             .status(429)
+    ///             .header("content-type", "application/json")
+    ///             .body(body)
+    ///             .ok()
+    ///     });
+    /// let svc = tower::ServiceBuilder::new()
+    ///     .layer(layer)
+    ///     .service(service_fn(|_: http::Request<()>| async {
+    ///         Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+    ///     }));
+    /// let _held = sem.acquire().await?;
+    /// let response = svc.oneshot(http::Request::new(())).await?;
+    /// assert_eq!(response.status(), 429);
+    /// assert_eq!(response.headers()["content-type"], "application/json");
+    /// # Ok(()) }
+    /// ```
+    pub fn on_refusal<H>(mut self, hook: H) -> Self
+    where
+        H: Fn(&crate::Error) -> Option<http::Response<Bytes>> + Send + Sync + 'static,
+    {
+        self.flavour.settings_mut().on_refusal = Some(super::http::OnRefusal(Arc::new(hook)));
         self
     }
 }

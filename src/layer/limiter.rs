@@ -5,6 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use super::spares::Held;
 use crate::{Error, Permit, RateLimiter, Semaphore};
 
 /// Picks the semaphore a request counts against: a [`Semaphore`] for every request, or
@@ -111,7 +112,7 @@ type Pending = Pin<Box<dyn Future<Output = Result<Permit, Error>> + Send>>;
 /// The permit of one request: taken already (reserved in `poll_ready`, or refused before any
 /// wait), or still to take.
 pub(crate) enum Acquire {
-    Now(Option<Result<Permit, Error>>),
+    Now(Option<Result<Held, Error>>),
     Later(Pending),
 }
 
@@ -161,11 +162,11 @@ async fn with_rate(
 }
 
 impl Future for Acquire {
-    type Output = Result<Permit, Error>;
+    type Output = Result<Held, Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut *self {
-            Acquire::Later(pending) => pending.as_mut().poll(cx),
+            Acquire::Later(pending) => pending.as_mut().poll(cx).map_ok(Held::from),
             Acquire::Now(done) => Poll::Ready(done.take().unwrap_or_else(|| {
                 Err(Error::config(
                     "a permit was asked for twice; this is a bug in tower-distributed-limit",
@@ -182,7 +183,7 @@ impl<K, W> Limiter<K, W> {
     pub(crate) fn admit<R>(
         &self,
         request: &R,
-        reserved: Option<Result<Permit, Error>>,
+        reserved: Option<Result<Held, Error>>,
     ) -> (Acquire, Option<u32>)
     where
         K: Pick<R>,

@@ -10,8 +10,9 @@
 //!   [`tower::BoxError`] that downcasts to [`Error`](crate::Error), so it composes with
 //!   `ServiceBuilder`, `HandleErrorLayer`, timeouts and retries. The permit is released when the
 //!   response arrives. The inner service reads the token with [`FencingToken::current`].
-//! - **HTTP** ([`Http`], from [`http`](DistributedConcurrencyLimitLayer::http)): a request that
-//!   gets no permit is answered 503 Service Unavailable with `Retry-After`, the permit rides in
+//! - **HTTP** ([`Http`], from [`http`](DistributedConcurrencyLimitLayer::http)): a refused
+//!   request is answered by the layer (503 with `Retry-After` when no permit is free, another
+//!   503 body for an outage, 429, 400...; `x-dlimit-refusal` names the kind), the permit rides in
 //!   the response body until its last byte, and the token is also a request extension, so one
 //!   line on an axum `Router` is enough.
 //! - **gRPC** (`grpc`, feature `tonic`): the HTTP flavour answering with gRPC statuses, for
@@ -34,7 +35,8 @@
 //! Stacks that read readiness as capacity (`Buffer`, p2c `balance`, `LoadShed`) need the
 //! other way, [`acquire_in_poll_ready`](DistributedConcurrencyLimitLayer::acquire_in_poll_ready):
 //! the permit is reserved in `poll_ready`, as tower's `ConcurrencyLimit` does, so a full
-//! semaphore makes the service not ready.
+//! semaphore makes the service not ready. The clones of such a service share a few permits
+//! held ahead, so a semaphore with room makes it ready at once, even on Redis.
 #![allow(clippy::module_inception)] // `layer::layer`, as in tower's `limit::concurrency`
 
 pub mod body;
@@ -50,6 +52,7 @@ mod layer;
 mod limiter;
 mod reserve;
 mod service;
+mod spares;
 mod token;
 
 pub use self::flavour::{Http, Plain};

@@ -10,6 +10,7 @@ use super::flavour::{Http, Plain};
 use super::future::{HttpResponseFuture, Limited, ResponseFuture, Stamp, extension, unstamped};
 use super::limiter::{Limiter, Pick, Unweighted, Weigh};
 use super::reserve::Reservation;
+use super::spares::Spares;
 use crate::Semaphore;
 
 /// A service whose requests each hold permits of a distributed semaphore while the inner
@@ -84,11 +85,15 @@ pub type HttpConcurrencyLimit<S, K = Semaphore, W = Unweighted> =
 
 impl<S, F, K, W> DistributedConcurrencyLimit<S, F, K, W> {
     pub(crate) fn new(inner: S, limiter: Limiter<K, W>, flavour: F) -> Self {
+        let spares = match &limiter.reserve {
+            Some(semaphore) => Spares::new(semaphore, limiter.rate.as_ref()),
+            None => Spares::default(),
+        };
         DistributedConcurrencyLimit {
             inner,
             limiter,
             flavour,
-            reservation: Reservation::default(),
+            reservation: Reservation::new(spares),
         }
     }
 

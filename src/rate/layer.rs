@@ -6,15 +6,15 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
-use http::{Request, Response, StatusCode};
+use http::header::{HeaderName, HeaderValue};
+use http::{Request, Response};
 use tower::{BoxError, Layer, Service};
 
 use super::limiter::RateLimiter;
 use crate::Error;
 use crate::backend::RateDecision;
 use crate::layer::body::ResponseBody;
-use crate::layer::http::retry_after_secs;
+use crate::layer::http::{Refusal, retry_after_secs};
 use crate::layer::{PartitionKey, Plain, Unweighted, Weigh};
 use crate::sync::BoxFuture;
 
@@ -22,8 +22,6 @@ use crate::sync::BoxFuture;
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 /// `RateLimit-Policy`, from the IETF httpapi ratelimit-headers draft.
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-
-const DEFAULT_BODY: &str = "rate limit reached; retry after the time in Retry-After\n";
 
 /// Caps how many requests *start* per period across every process that shares the
 /// [`RateLimiter`]: each request is one GCRA check (one script call) before the inner service
@@ -137,7 +135,7 @@ impl<F: Clone, K: Clone, W: Clone> DistributedRateLimitLayer<F, K, W> {
     }
 
     /// A request's cost: how much of the rate it spends (1 ..= the burst; a cost of 0 or above
-    /// the burst is refused with [`Error::Config`], 503 in the HTTP flavour).
+    /// the burst is refused with [`Error::Config`], 500 in the HTTP flavour).
     pub fn weight_by<R, W2>(self, weigh: W2) -> DistributedRateLimitLayer<F, K, W2>
     where
         W2: Weigh<R>,
@@ -182,7 +180,7 @@ impl<F: Clone, K: Clone, W: Clone> DistributedRateLimitLayer<F, K, W> {
     pub fn http(self) -> DistributedRateLimitLayer<RateHttp, K, W> {
         self.with_flavour(RateHttp {
             grpc: false,
-            body: Bytes::from_static(DEFAULT_BODY.as_bytes()),
+            body: Bytes::from_static(Refusal::RateLimited.sentence().as_bytes()),
             headers: true,
         })
     }
@@ -382,36 +380,17 @@ impl RateHttp {
         if let Error::Backend(_) = &error {
             tracing::warn!(%error, "request refused: the rate limiter's backend failed (fail closed)");
         }
+        let refusal = Refusal::of(&error);
         #[cfg(feature = "tonic")]
         if self.grpc {
-            return crate::layer::grpc::response(error);
+            return crate::layer::grpc::response(&error).map(ResponseBody::refusal);
         }
-        let (status, body) = match &error {
-            Error::RateLimited { .. } => (StatusCode::TOO_MANY_REQUESTS, self.body.clone()),
-            Error::BadKey(_) => (
-                StatusCode::BAD_REQUEST,
-                Bytes::from_static(b"the request's partition key is invalid\n"),
-            ),
-            _ => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                Bytes::from_static(b"the rate limit cannot be checked now; retry later\n"),
-            ),
-        };
-        let mut response = Response::new(ResponseBody::refusal(body));
-        *response.status_mut() = status;
+        // The configured body is the 429's; an outage is worth a retry a second later.
+        let body = (refusal == Refusal::RateLimited).then(|| self.body.clone());
+        let mut response = refusal
+            .answer(&error, None, body, Some(Duration::from_secs(1)))
+            .map(ResponseBody::refusal);
         let headers = response.headers_mut();
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; charset=utf-8"),
-        );
-        let retry_after = match &error {
-            Error::RateLimited { retry_after } => Some(*retry_after),
-            Error::Backend(_) => Some(Duration::from_secs(1)),
-            _ => None,
-        };
-        if let Some(after) = retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
-        }
         if let Some(decision) = decision.filter(|_| self.headers) {
             insert_headers(headers, limiter, decision);
         }

@@ -1,0 +1,421 @@
+//! The spares the clones of one service share, for
+//! [`acquire_in_poll_ready`](super::DistributedConcurrencyLimitLayer::acquire_in_poll_ready),
+//! so that `poll_ready` is ready at once; and [`Held`], a request's permit, which goes back to
+//! the spares it was lent by.
+//!
+//! On Redis an acquire is a round trip, so a `poll_ready` that starts one returns `Pending`,
+//! and `LoadShed` sheds the request although the semaphore has room. So the clones of one
+//! service share a few permits held ahead ([`Spares`]): `poll_ready` takes one, with no round
+//! trip, when there is one. They come from two places:
+//!
+//! - a request's permit goes back to the spares when the request ends, instead of being
+//!   released, while the spares are fewer than wanted and the permit is sound (not lost, not
+//!   an outage policy's);
+//! - a `poll_ready` that found none (and the service itself, when it is made) starts a
+//!   background `try_acquire` for each missing spare. It never waits in line, so a spare never
+//!   stands in front of a waiter.
+//!
+//! How many are wanted follows demand: the most permits lent out at once during the last
+//! [`KEEP`], never more than half the limit nor [`MOST_SPARES`] (none for a limit of 1). Every
+//! [`KEEP`] a sweeper gives back the spares beyond that (all of them after an idle second) and
+//! swaps each spare older than [`KEEP`] for a fresh `try_acquire`: the stale one is given back
+//! when the fresh one comes, or when none does (another process's waiter won the slot), so
+//! no slot stays in this process for much more than a second without going through the
+//! backend, and no request is shed for the swap. Dropping the last clone gives every spare
+//! back.
+//!
+//! Cancel safety: a background acquire that is dropped (its runtime shut down) drops its
+//! claim, which the semaphore releases; one that finishes after the service is gone drops its
+//! permit. Background work is spawned only on a tokio runtime that exists: without one a
+//! permit is released as usual and no spare is taken ahead.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Waker};
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Handle;
+
+use crate::sync::lock;
+use crate::{Permit, RateLimiter, Semaphore};
+
+/// How long after it was taken a permit may serve further requests or wait as a spare.
+const KEEP: Duration = Duration::from_secs(1);
+/// The most spares one service holds, whatever its limit.
+const MOST_SPARES: u32 = 8;
+
+/// A request's permit. One lent by a service's [`Spares`] goes back to them when dropped, if
+/// they still want it; any other is released as usual.
+pub(crate) struct Held {
+    /// Always `Some` until dropped.
+    permit: Option<Permit>,
+    home: Option<Home>,
+}
+
+/// Where a lent permit goes back to, and when it was taken from the backend.
+struct Home {
+    pool: Weak<Pool>,
+    taken: Instant,
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held")
+            .field("permit", &self.permit)
+            .field("lent", &self.home.is_some())
+            .finish()
+    }
+}
+
+impl From<Permit> for Held {
+    fn from(permit: Permit) -> Self {
+        Held {
+            permit: Some(permit),
+            home: None,
+        }
+    }
+}
+
+impl Held {
+    /// This service's own permit, lent by `pool` from now on, so it goes back there.
+    fn lent_by(mut self, pool: &Arc<Pool>) -> Held {
+        match self.permit.take() {
+            Some(permit) => pool.lend(&mut lock(&pool.state), permit, Instant::now()),
+            None => self,
+        }
+    }
+
+    pub(crate) fn fencing_token(&self) -> u64 {
+        self.permit.as_ref().map_or(0, Permit::fencing_token)
+    }
+
+    /// Resolves when the lease is lost.
+    pub(crate) fn lost_signal(&self) -> impl Future<Output = ()> + Send + 'static {
+        let lost = self.permit.as_ref().map(Permit::lost_signal);
+        async move {
+            match lost {
+                Some(lost) => lost.await,
+                None => std::future::pending().await,
+            }
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let (Some(permit), Some(home)) = (self.permit.take(), self.home.take()) else {
+            return;
+        };
+        if let Some(pool) = home.pool.upgrade() {
+            pool.give_back(permit, home.taken);
+        }
+    }
+}
+
+/// The spares of one service and its clones; see the [module docs](self).
+struct Pool {
+    semaphore: Semaphore,
+    /// The most spares wanted at once.
+    cap: usize,
+    state: Mutex<State>,
+}
+
+struct State {
+    ready: Vec<Spare>,
+    /// Background acquires in flight.
+    filling: usize,
+    /// Of those, how many replace a spare older than [`KEEP`].
+    swaps: usize,
+    /// Permits handed to requests (or to a ready service) and not back yet.
+    lent: usize,
+    /// The most lent at once since the last sweep.
+    peak: usize,
+    /// How many spares are wanted now.
+    wanted: usize,
+    /// Whether a sweeper task runs.
+    sweeping: bool,
+    /// Services waiting for their own acquire, to wake when a spare comes.
+    waiting: Vec<Waker>,
+}
+
+struct Spare {
+    permit: Permit,
+    taken: Instant,
+}
+
+impl Pool {
+    /// Takes a spare, lent to the caller, or registers `waker` for the next one and starts
+    /// the background acquires now wanted.
+    fn take(self: &Arc<Self>, waker: &Waker) -> Take {
+        let mut state = lock(&self.state);
+        if let Some(spare) = state.ready.pop() {
+            return Take::Spare(self.lend(&mut state, spare.permit, spare.taken));
+        }
+        if !state.waiting.iter().any(|w| w.will_wake(waker)) {
+            state.waiting.push(waker.clone());
+        }
+        // The caller's own request is demand too.
+        state.wanted = state.wanted.max(state.lent + 1).min(self.cap);
+        self.fill(&mut state);
+        if state.filling > 0 {
+            Take::Filling
+        } else {
+            Take::Empty
+        }
+    }
+
+    /// `permit`, taken at `taken`, lent to a request.
+    fn lend(self: &Arc<Self>, state: &mut State, permit: Permit, taken: Instant) -> Held {
+        state.lent += 1;
+        state.peak = state.peak.max(state.lent);
+        Held {
+            permit: Some(permit),
+            home: Some(Home {
+                pool: Arc::downgrade(self),
+                taken,
+            }),
+        }
+    }
+
+    /// A permit back from a request (or a ready service dropped without a call).
+    fn give_back(self: &Arc<Self>, permit: Permit, taken: Instant) {
+        let mut state = lock(&self.state);
+        state.lent = state.lent.saturating_sub(1);
+        let kept = self.keep(&mut state, permit, taken);
+        if kept.is_some() {
+            // Replaced by a fresh one when demand is still there.
+            self.fill(&mut state);
+        }
+        drop(state);
+        drop(kept); // released in the background, outside the lock
+    }
+
+    /// Keeps `permit` as a spare if it is wanted, fresh and sound; otherwise returns it.
+    fn keep(self: &Arc<Self>, state: &mut State, permit: Permit, taken: Instant) -> Option<Permit> {
+        let wanted = state.spares() < state.wanted;
+        let sound = !permit.is_lost() && !permit.is_degraded();
+        if !(wanted && sound && self.sweep(state)) {
+            return Some(permit);
+        }
+        state.ready.push(Spare { permit, taken });
+        wake_all(state);
+        None
+    }
+
+    /// Starts the background acquires the wanted spares still lack.
+    fn fill(self: &Arc<Self>, state: &mut State) {
+        while state.spares() < state.wanted && self.spawn_fill(state, false) {}
+    }
+
+    /// One background `try_acquire`; `swap`: for a spare older than [`KEEP`]. False without
+    /// a runtime.
+    fn spawn_fill(self: &Arc<Self>, state: &mut State, swap: bool) -> bool {
+        let Ok(runtime) = Handle::try_current() else {
+            return false;
+        };
+        state.filling += 1;
+        state.swaps += usize::from(swap);
+        let filling = Filling {
+            pool: Arc::downgrade(self),
+            swap,
+            settled: false,
+        };
+        let semaphore = self.semaphore.clone();
+        runtime.spawn(async move {
+            let permit = semaphore.try_acquire().await.ok().flatten();
+            filling.settle(permit, Instant::now());
+        });
+        true
+    }
+
+    /// Makes sure a sweeper runs while spares are held; false without a runtime to run it.
+    fn sweep(self: &Arc<Self>, state: &mut State) -> bool {
+        if state.sweeping {
+            return true;
+        }
+        let Ok(runtime) = Handle::try_current() else {
+            return false;
+        };
+        state.sweeping = true;
+        runtime.spawn(sweeper(Arc::downgrade(self)));
+        true
+    }
+
+    /// Sets how many spares are wanted from the last period's peak, gives back those beyond
+    /// (the oldest first), and swaps each one older than [`KEEP`] for a fresh one: a spare
+    /// serves for about a second, then its slot goes through the backend again, where another
+    /// process's waiter may win it. False once nothing is left to sweep.
+    fn sweep_once(self: &Arc<Self>) -> bool {
+        let mut state = lock(&self.state);
+        state.wanted = state.peak.min(self.cap);
+        state.peak = state.lent;
+        let mut beyond = Vec::new();
+        while state.ready.len() > state.wanted {
+            beyond.extend(state.take_oldest(Duration::ZERO));
+        }
+        let stale = state
+            .ready
+            .iter()
+            .filter(|spare| spare.taken.elapsed() >= KEEP)
+            .count();
+        for _ in state.swaps..stale {
+            if !self.spawn_fill(&mut state, true) {
+                break;
+            }
+        }
+        self.fill(&mut state);
+        state.sweeping = !state.ready.is_empty() || state.filling > 0;
+        let more = state.sweeping;
+        drop(state);
+        drop(beyond);
+        more
+    }
+}
+
+impl State {
+    /// The spares held or on their way, not counting those only replacing a stale one.
+    fn spares(&self) -> usize {
+        (self.ready.len() + self.filling).saturating_sub(self.swaps)
+    }
+
+    /// The oldest spare at least `age` old.
+    fn take_oldest(&mut self, age: Duration) -> Option<Spare> {
+        let (oldest, _) = self
+            .ready
+            .iter()
+            .enumerate()
+            .filter(|(_, spare)| spare.taken.elapsed() >= age)
+            .min_by_key(|(_, spare)| spare.taken)?;
+        Some(self.ready.swap_remove(oldest))
+    }
+
+    /// One background acquire ended: counted, and the stale spare it was to replace taken out.
+    fn filled(&mut self, swap: bool) -> Option<Spare> {
+        self.filling = self.filling.saturating_sub(1);
+        if !swap {
+            return None;
+        }
+        self.swaps = self.swaps.saturating_sub(1);
+        self.take_oldest(KEEP)
+    }
+}
+
+/// Wakes the services waiting for a spare: one came, or a background acquire ended without.
+fn wake_all(state: &mut State) {
+    for waker in state.waiting.drain(..) {
+        waker.wake();
+    }
+}
+
+/// What a service found in the spares.
+pub(crate) enum Take {
+    /// One, lent to it.
+    Spare(Held),
+    /// None, but a background acquire is under way.
+    Filling,
+    /// None.
+    Empty,
+}
+
+/// Every [`KEEP`], while its pool lives and holds spares.
+async fn sweeper(pool: Weak<Pool>) {
+    loop {
+        tokio::time::sleep(KEEP).await;
+        match pool.upgrade() {
+            Some(pool) if pool.sweep_once() => {}
+            _ => return,
+        }
+    }
+}
+
+/// One background acquire, counted in `filling` until it settles or is dropped.
+struct Filling {
+    pool: Weak<Pool>,
+    swap: bool,
+    settled: bool,
+}
+
+impl Filling {
+    /// Counts the acquire done and keeps its permit as a spare if still wanted. A swap gives
+    /// the stale spare back either way: without a fresh one, its slot goes to whoever wins it.
+    fn settle(mut self, permit: Option<Permit>, taken: Instant) {
+        self.settled = true;
+        let Some(pool) = self.pool.upgrade() else {
+            return; // the service is gone: the permit is released
+        };
+        let mut state = lock(&pool.state);
+        let stale = state.filled(self.swap);
+        let unwanted = match permit {
+            Some(permit) => pool.keep(&mut state, permit, taken),
+            None => {
+                wake_all(&mut state);
+                None
+            }
+        };
+        drop(state);
+        drop((stale, unwanted));
+    }
+}
+
+/// A background acquire dropped before it settled (its runtime shut down).
+impl Drop for Filling {
+    fn drop(&mut self) {
+        if let (false, Some(pool)) = (self.settled, self.pool.upgrade()) {
+            let mut state = lock(&pool.state);
+            let stale = state.filled(self.swap);
+            wake_all(&mut state);
+            drop(state);
+            drop(stale);
+        }
+    }
+}
+
+/// The spares shared by the clones of one service; none for a limit of 1 or with a rate limit
+/// (a spare would spend rate for a request that may never come).
+#[derive(Clone, Default)]
+pub(crate) struct Spares(Option<Arc<Pool>>);
+
+impl Spares {
+    /// The spares of a new service reserving permits of `semaphore`, taking the first at once
+    /// (on a runtime).
+    pub(crate) fn new(semaphore: &Semaphore, rate: Option<&RateLimiter>) -> Self {
+        let cap = (semaphore.limit() / 2).min(MOST_SPARES) as usize;
+        if cap == 0 || rate.is_some() {
+            return Spares(None);
+        }
+        let pool = Arc::new(Pool {
+            semaphore: semaphore.clone(),
+            cap,
+            state: Mutex::new(State {
+                ready: Vec::new(),
+                filling: 0,
+                swaps: 0,
+                lent: 0,
+                peak: 0,
+                wanted: 1,
+                sweeping: false,
+                waiting: Vec::new(),
+            }),
+        });
+        pool.fill(&mut lock(&pool.state));
+        Spares(Some(pool))
+    }
+
+    /// A spare, lent to the caller; otherwise `cx` is woken when one comes or a background
+    /// acquire ends. `None` without spares.
+    pub(crate) fn take(&self, cx: &Context<'_>) -> Option<Take> {
+        Some(self.0.as_ref()?.take(cx.waker()))
+    }
+
+    /// `permit`, the service's own, lent by the spares from now on.
+    pub(crate) fn lend(&self, permit: Held) -> Held {
+        match &self.0 {
+            Some(pool) => permit.lent_by(pool),
+            None => permit,
+        }
+    }
+
+    pub(crate) fn is_some(&self) -> bool {
+        self.0.is_some()
+    }
+}
