@@ -128,7 +128,7 @@ struct State {
     swaps: usize,
     /// Permits handed to requests (or to a ready service) and not back yet.
     lent: usize,
-    /// The most lent at once since the last sweep.
+    /// The most lent at once since the last sweep, counting a request that found none.
     peak: usize,
     /// How many spares are wanted now.
     wanted: usize,
@@ -154,7 +154,8 @@ impl Pool {
         if !state.waiting.iter().any(|w| w.will_wake(waker)) {
             state.waiting.push(waker.clone());
         }
-        // The caller's own request is demand too.
+        // The caller's own request is demand too, now and for the sweeper's next count.
+        state.peak = state.peak.max(state.lent + 1);
         state.wanted = state.wanted.max(state.lent + 1).min(self.cap);
         self.fill(&mut state);
         if state.filling > 0 {
