@@ -1,7 +1,8 @@
 //! What the crate reports through the [`metrics`](https://docs.rs/metrics) facade (feature
-//! `metrics`, on by default; no exporter is chosen here). Every metric carries the label
-//! `semaphore`: the semaphore's name, or a partition set's name for its per-key semaphores, so
-//! the number of series stays bounded whatever the requests carry.
+//! `metrics`, on by default; no exporter is chosen here). Every metric of a semaphore carries the
+//! label `semaphore`: the semaphore's name, or a partition set's name for its per-key
+//! semaphores, so the number of series stays bounded whatever the requests carry. The two
+//! backend metrics (registered in `backend/health.rs`) carry `backend`, a server's address.
 //!
 //! | name | kind | labels / meaning |
 //! |---|---|---|
@@ -12,6 +13,8 @@
 //! | `dlimit_waiters` | gauge | this process's waiters now |
 //! | `dlimit_lease_lost_total` | counter | permits whose lease was lost |
 //! | `dlimit_backend_errors_total` | counter | `op` = the backend operation |
+//! | `dlimit_backend_up` | gauge | label `backend` (the server's address), not `semaphore`: 1 while this process's backend to it is up, 0 while down (summed over the process's backends to that server) |
+//! | `dlimit_backend_fast_failures_total` | counter | label `backend`: calls refused at once because their server was down |
 //!
 //! Without the feature, or without a recorder installed, each report costs next to nothing.
 

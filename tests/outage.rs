@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tower_distributed_limit::{Error, OutagePolicy, QuorumBackend, RedisBackend, Semaphore};
 
-use support::{Redis, RedisProcess, eventually, free_port, signal};
+use support::{Redis, RedisProcess, eventually, free_port, long_lived, signal};
 
 const CALL: Duration = Duration::from_millis(100);
 const CONNECT: Duration = Duration::from_millis(100);
@@ -414,16 +414,9 @@ async fn a_user_without_eval_rights_is_told_which_commands_to_allow() {
 async fn a_quorum_with_two_of_three_nodes_down_fails_fast() {
     let mut nodes = Vec::new();
     for _ in 0..3 {
-        let node = Redis::start().await;
-        // Up for longer than any lease: a fresh node abstains for one, not the subject here.
-        redis::cmd("SET")
-            .arg("dlimit:quorum:born")
-            .arg(0)
-            .exec_async(&mut node.conn().await)
-            .await
-            .unwrap();
-        nodes.push(node);
+        nodes.push(Redis::start().await);
     }
+    long_lived(&nodes).await;
     let urls: Vec<String> = nodes.iter().map(|node| node.url.clone()).collect();
     let quorum = QuorumBackend::builder(&urls)
         .call_timeout(CALL)

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tower_distributed_limit::{Error, QuorumBackend, Semaphore, SemaphoreBuilder};
 
-use support::{Redis, child_role, child_says, signal, spawn_child_with};
+use support::{Redis, child_role, child_says, long_lived, signal, spawn_child_with};
 
 /// One second leases: a fresh node abstains for its first lease, and tests stay short.
 fn semaphore(name: &str, limit: u32) -> SemaphoreBuilder {
@@ -29,19 +29,6 @@ async fn quorum(urls: &[String]) -> QuorumBackend {
         .connect()
         .await
         .unwrap()
-}
-
-/// Marks every node as up for longer than any lease (a fresh node abstains for one), for the
-/// tests that are not about that.
-async fn long_lived(nodes: &[Redis]) {
-    for node in nodes {
-        redis::cmd("SET")
-            .arg("dlimit:quorum:born")
-            .arg(0)
-            .exec_async(&mut node.conn().await)
-            .await
-            .unwrap();
-    }
 }
 
 async fn three_nodes() -> (Vec<Redis>, Vec<String>) {

@@ -74,22 +74,20 @@ struct Metrics {
 }
 
 impl Health {
-    /// A server called `label`, up (reached already) or down (not yet reached); one probe
-    /// attempt takes at most `bound`.
-    pub(in crate::backend) fn new(label: String, bound: Duration, up: bool) -> Self {
+    /// A server called `label`, down until it is first reached ([`Health::started`] or a
+    /// probe); one probe attempt takes at most `bound`.
+    pub(in crate::backend) fn new(label: String, bound: Duration) -> Self {
         #[cfg(feature = "metrics")]
         let metrics = {
             describe();
             let backend = metrics::SharedString::from(label.clone());
-            let metrics = Metrics {
+            Metrics {
                 up: metrics::gauge!("dlimit_backend_up", "backend" => backend.clone()),
                 fast_failed: metrics::counter!("dlimit_backend_fast_failures_total", "backend" => backend),
-            };
-            metrics.up.set(if up { 1.0 } else { 0.0 });
-            metrics
+            }
         };
         Health {
-            down: AtomicBool::new(!up),
+            down: AtomicBool::new(true),
             label,
             bound,
             state: Mutex::new(State {
@@ -97,7 +95,7 @@ impl Health {
                 reason: "not reached yet".into(),
                 probe: None,
                 probes: 0,
-                never_up: !up,
+                never_up: true,
             }),
             #[cfg(feature = "metrics")]
             metrics,
@@ -139,7 +137,7 @@ impl Health {
         tracing::warn!(target: TARGET, backend = %self.label, %reason,
             "Redis is down: calls fail at once (the outage policy decides) while a probe reconnects");
         #[cfg(feature = "metrics")]
-        self.metrics.up.set(0.0);
+        self.metrics.up.decrement(1.0);
         state.since = Instant::now();
         state.reason = reason;
     }
@@ -147,9 +145,10 @@ impl Health {
     /// The first connection attempt (not a probe's) reached the server.
     pub(in crate::backend) fn started(&self) {
         lock(&self.state).never_up = false;
-        self.down.store(false, Ordering::Release);
-        #[cfg(feature = "metrics")]
-        self.metrics.up.set(1.0);
+        if self.down.swap(false, Ordering::AcqRel) {
+            #[cfg(feature = "metrics")]
+            self.metrics.up.increment(1.0);
+        }
     }
 
     /// Probe `id` reached the server. Whether this is a recovery (not a lazy first start).
@@ -162,7 +161,7 @@ impl Health {
             return false;
         }
         #[cfg(feature = "metrics")]
-        self.metrics.up.set(1.0);
+        self.metrics.up.increment(1.0);
         let recovered = !std::mem::replace(&mut state.never_up, false);
         if recovered {
             tracing::warn!(target: TARGET, backend = %self.label, down_for = ?state.since.elapsed(),
@@ -207,6 +206,16 @@ impl Health {
         let mut state = lock(&self.state);
         if state.probe.is_some_and(|(running, _)| running == id) {
             state.probe = None;
+        }
+    }
+}
+
+/// A backend that goes away while up takes its share of `dlimit_backend_up` with it.
+#[cfg(feature = "metrics")]
+impl Drop for Health {
+    fn drop(&mut self) {
+        if self.is_up() {
+            self.metrics.up.decrement(1.0);
         }
     }
 }
@@ -320,7 +329,7 @@ fn describe() {
         describe_gauge!(
             "dlimit_backend_up",
             Unit::Count,
-            "1 while the Redis server (label backend) answers, 0 while it is down"
+            "1 while the Redis server (label backend) answers, 0 while it is down (summed over this process's backends connected to it)"
         );
         describe_counter!(
             "dlimit_backend_fast_failures_total",

@@ -314,7 +314,7 @@ impl QuorumBackendBuilder {
                 let client = Client::open(info.set_redis_settings(settings))?;
                 Ok(Arc::new(Node {
                     conn: ConnectionManager::new_lazy_with_config(client, config.clone())?,
-                    health: Health::new(label, bound, false),
+                    health: Health::new(label, bound),
                     hub: Arc::downgrade(&hub),
                 }))
             })

@@ -102,6 +102,19 @@ impl Redis {
     }
 }
 
+/// Marks every quorum node as up for longer than any lease (a fresh node abstains for one), for
+/// the tests that are not about that.
+pub async fn long_lived(nodes: &[Redis]) {
+    for node in nodes {
+        redis::cmd("SET")
+            .arg("dlimit:quorum:born")
+            .arg(0)
+            .exec_async(&mut node.conn().await)
+            .await
+            .unwrap();
+    }
+}
+
 /// A redis-server started with arguments of the test's own (TLS, replication, ...) on a free
 /// loopback port, in a temporary directory; killed, and its directory removed, when dropped.
 pub struct RedisProcess {

@@ -500,7 +500,7 @@ impl RedisBackendBuilder {
     /// timeout. To start whether Redis is up or not, use
     /// [`connect_lazy`](Self::connect_lazy).
     pub async fn connect(self) -> Result<RedisBackend, Error> {
-        let backend = self.build(true)?;
+        let backend = self.build()?;
         let shared = &backend.shared;
         let bound = shared.target.open_bound();
         let opened = tokio::time::timeout(
@@ -517,7 +517,8 @@ impl RedisBackendBuilder {
         });
         match opened {
             Ok(conn) => {
-                shared.started(conn);
+                shared.opened(conn);
+                shared.health.started();
                 Ok(backend)
             }
             Err(e) => Err(connect_error(e, &shared.target, shared.health.label())),
@@ -560,13 +561,13 @@ impl RedisBackendBuilder {
                 "connect_lazy needs a tokio runtime to reconnect on: call it inside one",
             ));
         }
-        let backend = self.build(false)?;
+        let backend = self.build()?;
         health::start(&backend.shared);
         Ok(backend)
     }
 
-    /// The backend these settings describe, not connected yet (`reached`: it is about to be).
-    fn build(self, reached: bool) -> Result<RedisBackend, Error> {
+    /// The backend these settings describe, down until its server is reached.
+    fn build(self) -> Result<RedisBackend, Error> {
         let nodes = self.nodes?;
         if self.call_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(Error::config(
@@ -640,7 +641,7 @@ impl RedisBackendBuilder {
         Ok(RedisBackend {
             shared: Arc::new(Connection {
                 conn: OnceLock::new(),
-                health: Health::new(label, bound, reached),
+                health: Health::new(label, bound),
                 target,
                 pushes,
                 requests: Mutex::new(Some(requests)),
@@ -666,7 +667,7 @@ impl Connection {
     }
 
     /// The first connection is open: keep it and start the subscriber on it.
-    fn started(&self, conn: Conn) {
+    fn opened(&self, conn: Conn) {
         let conn = self.conn.get_or_init(|| conn);
         if let Some(requests) = lock(&self.requests).take() {
             tokio::spawn(subscriber(conn.clone(), requests));
@@ -691,7 +692,7 @@ impl Reconnect for Connection {
             Some(conn) => conn.clone().ping().await,
             None => {
                 let conn = Conn::open(self.target.clone(), self.pushes.clone()).await?;
-                self.started(conn);
+                self.opened(conn);
                 Ok(())
             }
         }

@@ -159,8 +159,8 @@ impl RedisSemaphore {
                 Err(Error::backend(
                     format!(
                         "only {acked} of {} replicas acknowledged `{op}` within {:?} \
-                             (wait_for_replicas), so it does not count; check the replicas' \
-                             health and lag, or raise the timeout",
+                         (wait_for_replicas), so it does not count; check the replicas' \
+                         health and lag, or raise the timeout",
                         replicas.count, replicas.timeout
                     ),
                     None,
