@@ -11,6 +11,7 @@ use super::flavour::{Http, Plain};
 use super::key::Partitions;
 use super::limiter::{InPollReady, Limiter, Unweighted};
 use super::service::DistributedConcurrencyLimit;
+use super::spares::Spares;
 use crate::Semaphore;
 
 /// Caps how many requests are in flight at once across every process that shares the
@@ -125,6 +126,7 @@ impl<K> DistributedConcurrencyLimitLayer<Plain, K> {
                 wait: true,
                 abort_on_lost: false,
                 reserve: None,
+                spares: Spares::default(),
                 rate: None,
             },
             flavour: Plain,
@@ -340,6 +342,7 @@ impl<F, K> DistributedConcurrencyLimitLayer<F, K, Unweighted> {
             wait,
             abort_on_lost,
             reserve,
+            spares,
             rate,
             weigh: Unweighted,
         } = self.limiter;
@@ -350,6 +353,7 @@ impl<F, K> DistributedConcurrencyLimitLayer<F, K, Unweighted> {
                 wait,
                 abort_on_lost,
                 reserve,
+                spares,
                 rate,
             },
             flavour: self.flavour,
@@ -371,17 +375,20 @@ impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
     ///
     /// **Spares.** On Redis an acquire is a round trip, so a `poll_ready` that had to start
     /// one would be `Pending` and `LoadShed` would shed a request the semaphore has room for.
-    /// So the clones of one service share a few permits held ahead: a request's permit goes
-    /// back to them when it ends, and a `poll_ready` that finds none starts a background
-    /// `try_acquire` (never a wait in line) for the next; each second a spare older than a
-    /// second is swapped for a fresh `try_acquire`. A new
-    /// service takes its first spare at once. As many are kept as were lent out at once
+    /// So every service this layer makes (each endpoint of an axum `Router`, and every clone)
+    /// shares a few permits held ahead: a request's permit goes back to them when it ends, and
+    /// a `poll_ready` that finds none starts a background `try_acquire` (never a wait in line)
+    /// for the next; each second a spare older than a second is swapped for a fresh
+    /// `try_acquire`. The layer's first service takes the first spare at once. As many are kept as were lent out at once
     /// during the last second, at most half the limit and 8; none for a limit of 1 or with
     /// [`rate_limit`](Self::rate_limit) (a spare would spend rate for a request that may never
-    /// come). The trade-off: spares count against the global limit, so a busy service holds up
+    /// come): there, on Redis, a service behind `LoadShed` is ready only once its own acquire
+    /// has come back, so a server that polls a fresh clone per request sheds them. The
+    /// trade-off: spares count against the global limit, so a busy service holds up
     /// to that many slots more than it uses, and for up to a second another process's waiter
     /// does not get a slot this one keeps; an idle service gives its spares back within about
-    /// two seconds (the first request after that may be shed), and a dropped one at once.
+    /// two seconds (the first request after that may be shed), and they all go back once the
+    /// layer and its services are dropped.
     /// Requests served one after another by one permit see the same fencing token. Background
     /// work needs a tokio runtime and is skipped without one; a background acquire dropped
     /// with its runtime, or finished after the service is gone, releases what it took.
@@ -420,6 +427,7 @@ impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
         DistributedConcurrencyLimitLayer {
             limiter: Limiter {
                 reserve: Some(source.clone()),
+                spares: Spares::new(&source),
                 source,
                 weigh: InPollReady,
                 wait,

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use super::spares::Held;
+use super::spares::{Held, Spares};
 use crate::{Error, Permit, RateLimiter, Semaphore};
 
 /// Picks the semaphore a request counts against: a [`Semaphore`] for every request, or
@@ -103,6 +103,8 @@ pub(crate) struct Limiter<K, W> {
     pub(crate) abort_on_lost: bool,
     /// The semaphore whose permit is reserved in `poll_ready`, if the layer does so.
     pub(crate) reserve: Option<Semaphore>,
+    /// With `reserve`: the permits held ahead for every service the layer makes.
+    pub(crate) spares: Spares,
     /// A rate limit decided with each permit, all or nothing (`rate_limit`).
     pub(crate) rate: Option<RateLimiter>,
 }

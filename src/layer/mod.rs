@@ -35,7 +35,7 @@
 //! Stacks that read readiness as capacity (`Buffer`, p2c `balance`, `LoadShed`) need the
 //! other way, [`acquire_in_poll_ready`](DistributedConcurrencyLimitLayer::acquire_in_poll_ready):
 //! the permit is reserved in `poll_ready`, as tower's `ConcurrencyLimit` does, so a full
-//! semaphore makes the service not ready. The clones of such a service share a few permits
+//! semaphore makes the service not ready. The services such a layer makes share a few permits
 //! held ahead, so a semaphore with room makes it ready at once, even on Redis.
 #![allow(clippy::module_inception)] // `layer::layer`, as in tower's `limit::concurrency`
 

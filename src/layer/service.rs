@@ -85,10 +85,13 @@ pub type HttpConcurrencyLimit<S, K = Semaphore, W = Unweighted> =
 
 impl<S, F, K, W> DistributedConcurrencyLimit<S, F, K, W> {
     pub(crate) fn new(inner: S, limiter: Limiter<K, W>, flavour: F) -> Self {
-        let spares = match &limiter.reserve {
-            Some(semaphore) => Spares::new(semaphore, limiter.rate.as_ref()),
-            None => Spares::default(),
+        // No spares with a rate limit: a spare would spend rate for a request that may never
+        // come.
+        let spares = match &limiter.rate {
+            None => limiter.spares.clone(),
+            Some(_) => Spares::default(),
         };
+        spares.warm();
         DistributedConcurrencyLimit {
             inner,
             limiter,

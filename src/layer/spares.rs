@@ -1,11 +1,11 @@
-//! The spares the clones of one service share, for
+//! The spares every service of one layer shares, for
 //! [`acquire_in_poll_ready`](super::DistributedConcurrencyLimitLayer::acquire_in_poll_ready),
 //! so that `poll_ready` is ready at once; and [`Held`], a request's permit, which goes back to
 //! the spares it was lent by.
 //!
 //! On Redis an acquire is a round trip, so a `poll_ready` that starts one returns `Pending`,
-//! and `LoadShed` sheds the request although the semaphore has room. So the clones of one
-//! service share a few permits held ahead ([`Spares`]): `poll_ready` takes one, with no round
+//! and `LoadShed` sheds the request although the semaphore has room. So the services one
+//! layer makes, and their clones, share a few permits held ahead ([`Spares`]): `poll_ready` takes one, with no round
 //! trip, when there is one. They come from two places:
 //!
 //! - a request's permit goes back to the spares when the request ends, instead of being
@@ -21,8 +21,8 @@
 //! swaps each spare older than [`KEEP`] for a fresh `try_acquire`: the stale one is given back
 //! when the fresh one comes, or when none does (another process's waiter won the slot), so
 //! no slot stays in this process for much more than a second without going through the
-//! backend, and no request is shed for the swap. Dropping the last clone gives every spare
-//! back.
+//! backend, and no request is shed for the swap. Dropping the layer and the last of its
+//! services gives every spare back.
 //!
 //! Cancel safety: a background acquire that is dropped (its runtime shut down) drops its
 //! claim, which the semaphore releases; one that finishes after the service is gone drops its
@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
 use crate::sync::lock;
-use crate::{Permit, RateLimiter, Semaphore};
+use crate::{Permit, Semaphore};
 
 /// How long after it was taken a permit may serve further requests or wait as a spare.
 const KEEP: Duration = Duration::from_secs(1);
@@ -371,20 +371,28 @@ impl Drop for Filling {
     }
 }
 
-/// The spares shared by the clones of one service; none for a limit of 1 or with a rate limit
-/// (a spare would spend rate for a request that may never come).
+/// The spares shared by every service one layer makes (and their clones); none for a limit of
+/// 1. Made with the layer, not with each service: axum wraps each endpoint of a `Router`
+/// (every method of every route, and the fallback) in a service of its own, and a pool per
+/// service would hold a slot ahead for each of them.
 #[derive(Clone, Default)]
 pub(crate) struct Spares(Option<Arc<Pool>>);
 
+impl std::fmt::Debug for Spares {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Spares").field(&self.0.is_some()).finish()
+    }
+}
+
 impl Spares {
-    /// The spares of a new service reserving permits of `semaphore`, taking the first at once
-    /// (on a runtime).
-    pub(crate) fn new(semaphore: &Semaphore, rate: Option<&RateLimiter>) -> Self {
+    /// The spares of a layer reserving permits of `semaphore`; none are taken until
+    /// [`warm`](Self::warm).
+    pub(crate) fn new(semaphore: &Semaphore) -> Self {
         let cap = (semaphore.limit() / 2).min(MOST_SPARES) as usize;
-        if cap == 0 || rate.is_some() {
+        if cap == 0 {
             return Spares(None);
         }
-        let pool = Arc::new(Pool {
+        Spares(Some(Arc::new(Pool {
             semaphore: semaphore.clone(),
             cap,
             state: Mutex::new(State {
@@ -397,9 +405,15 @@ impl Spares {
                 sweeping: false,
                 waiting: Vec::new(),
             }),
-        });
-        pool.fill(&mut lock(&pool.state));
-        Spares(Some(pool))
+        })))
+    }
+
+    /// A new service uses these spares: the first is taken now (on a runtime) unless one is
+    /// held or on its way, so its first request need not be shed.
+    pub(crate) fn warm(&self) {
+        if let Some(pool) = &self.0 {
+            pool.fill(&mut lock(&pool.state));
+        }
     }
 
     /// A spare, lent to the caller; otherwise `cx` is woken when one comes or a background
