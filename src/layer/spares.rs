@@ -371,8 +371,8 @@ impl Drop for Filling {
     }
 }
 
-/// The spares shared by every service one layer makes (and their clones); none for a limit of
-/// 1. Made with the layer, not with each service: axum wraps each endpoint of a `Router`
+/// The spares shared by every service one layer makes (and their clones), or none for a limit
+/// of 1. Made with the layer, not with each service: axum wraps each endpoint of a `Router`
 /// (every method of every route, and the fallback) in a service of its own, and a pool per
 /// service would hold a slot ahead for each of them.
 #[derive(Clone, Default)]
