@@ -8,7 +8,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
+use tower::ServiceBuilder;
 use tower_distributed_limit::{
     DistributedConcurrencyLimitLayer, Error, OutagePolicy, RedisBackend, RedisBackendBuilder,
     Semaphore,
@@ -236,21 +236,35 @@ async fn main() {
         .limit(4)
         .build(RedisBackend::connect(&server.url()).await.expect("connect"))
         .expect("valid settings");
-    let mut svc = ServiceBuilder::new()
-        .load_shed()
-        .layer(DistributedConcurrencyLimitLayer::new(sem).acquire_in_poll_ready())
-        .service(service_fn(|()| async {
-            Ok::<_, std::convert::Infallible>(())
-        }));
+    // Through an axum server, as a service meets LoadShed: one client, one request after
+    // another.
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(
+            ServiceBuilder::new()
+                .layer(axum::error_handling::HandleErrorLayer::new(
+                    |_: tower::BoxError| async { http::StatusCode::SERVICE_UNAVAILABLE },
+                ))
+                .load_shed()
+                .layer(DistributedConcurrencyLimitLayer::new(sem).acquire_in_poll_ready()),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let addr = listener.local_addr().expect("its address");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<bytes::Bytes>>();
     let mut shed = 0;
     for _ in 0..50 {
-        let ready = svc.ready().await.expect("LoadShed is always ready");
-        if ready.call(()).await.is_err() {
-            shed += 1;
+        let uri = format!("http://{addr}/").parse().expect("a URI");
+        match client.get(uri).await {
+            Ok(response) if response.status() == http::StatusCode::OK => {}
+            _ => shed += 1,
         }
     }
     row(
-        "load_shed, one at a time, free semaphore: shed",
+        "load_shed over HTTP, one request at a time, free semaphore: shed",
         format!("{shed} of 50"),
     );
 
