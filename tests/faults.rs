@@ -124,7 +124,12 @@ async fn a_waiter_frozen_past_its_grant_does_not_wake_holding_it() {
     // While we hold the slot, the child must not report holding it too.
     let said = child_says(&mut child).await;
     assert!(!second.is_lost(), "our own permit was lost meanwhile");
-    assert_eq!(said, "timeout");
+    // It waits on and times out, or, when a call of its own was in flight across the freeze,
+    // wakes to that call's timeout (an error): either way without the slot.
+    assert!(
+        said == "timeout" || said.starts_with("error "),
+        "the thawed waiter says {said:?}"
+    );
     assert!(child.wait().await.unwrap().success());
 }
 

@@ -218,7 +218,10 @@ async fn wait_for_ping(url: &str) {
 }
 
 /// Sends `signal` (e.g. "STOP", "CONT") to process `pid`, with the shell's built-in `kill`
-/// (no package needed).
+/// (no package needed). A "STOP" returns only once every thread of the process is stopped:
+/// the kernel stops them when the thread the signal went to next runs, which on a busy
+/// machine can be milliseconds later, and meanwhile the others go on (a "frozen" waiter once
+/// took its grant in that window).
 pub fn signal(pid: u32, signal: &str) {
     let status = std::process::Command::new("sh")
         .arg("-c")
@@ -226,6 +229,31 @@ pub fn signal(pid: u32, signal: &str) {
         .status()
         .expect("run sh");
     assert!(status.success(), "kill -{signal} {pid} failed");
+    if signal == "STOP" {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !stopped(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "process {pid} did not stop within 5 s"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Whether every thread of `pid` is stopped (state `T` in `/proc/<pid>/task/*/stat`).
+fn stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // `pid (comm) state ...`: the state follows the last ')'.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+                .is_some_and(|state| state == 'T' || state == 't')
+        })
+    })
 }
 
 /// Polls `condition` every 10 ms until it holds; panics naming `what` after `limit`.
