@@ -554,3 +554,43 @@ async fn rate_limit_is_one_call_in_one_slot_and_two_across_nodes() {
         support::wait_until_available(&sem, 1).await;
     }
 }
+
+/// `wait_for_replicas` on a cluster: `WAIT` goes in the same pipeline as the script call, to
+/// the node that owns the semaphore's slot, so a grant counts once that node's replica has it,
+/// and fails while the replica cannot acknowledge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_asks_the_node_that_owns_the_semaphore() {
+    let cluster = ReplicatedCluster::start().await;
+    let (_, replica) = cluster
+        .master_and_replica_of("dlimit:{acked}:holders")
+        .await;
+    let backend = RedisBackend::cluster_builder(&cluster.urls)
+        .wait_for_replicas(1, Duration::from_millis(200))
+        .connect()
+        .await
+        .expect("wait_for_replicas is accepted on a cluster");
+    let sem = Semaphore::builder("acked")
+        .limit(1)
+        .lease(Duration::from_secs(5))
+        .build(backend)
+        .unwrap();
+    sem.acquire()
+        .await
+        .expect("granted once the owner's replica acknowledged")
+        .release()
+        .await
+        .unwrap();
+    support::signal(cluster.pid(replica), "STOP");
+    let err = sem.acquire().await.expect_err("no replica acknowledges");
+    support::signal(cluster.pid(replica), "CONT");
+    assert!(
+        err.to_string().contains("0 of 1 replicas acknowledged"),
+        "{err}"
+    );
+    // The refused grant was given back: the slot is free again once the replica answers.
+    let permit = tokio::time::timeout(Duration::from_secs(10), sem.acquire())
+        .await
+        .expect("bounded")
+        .expect("granted again with the replica back");
+    assert!(!permit.is_lost());
+}

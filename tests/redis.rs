@@ -629,3 +629,44 @@ async fn a_grant_is_announced_to_its_own_process_only() {
         format!("dlimit:{{fanout}}:granted:{}", &id[..8])
     );
 }
+
+/// 500 waiters of one process, queued in order (most of them by one shared script call): the
+/// line serves them in exactly that order, not in the order of their random member ids.
+#[tokio::test]
+async fn waiters_queued_by_one_call_keep_their_order() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("flood")
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(60))
+        .build(redis.backend().await)
+        .unwrap();
+    let mut held = sem.acquire().await.unwrap();
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    // A current-thread runtime polls spawned tasks in the order they were spawned.
+    let waiters: Vec<_> = (0..500u32)
+        .map(|i| {
+            let (sem, order) = (sem.clone(), order.clone());
+            tokio::spawn(async move {
+                let mut permit = sem.acquire().await.unwrap();
+                order.lock().unwrap().push(i);
+                permit.release().await.unwrap();
+            })
+        })
+        .collect();
+    eventually(Duration::from_secs(20), "every waiter to queue", || async {
+        redis.queue_len("flood").await == 500
+    })
+    .await;
+    held.release().await.unwrap();
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+    let order = order.lock().unwrap();
+    let inversions = order.windows(2).filter(|w| w[0] > w[1]).count();
+    assert_eq!(
+        inversions,
+        0,
+        "served out of arrival order: {:?}",
+        &order[..20]
+    );
+}

@@ -5,11 +5,14 @@
 
 mod support;
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis_test::sentinel::RedisSentinelCluster;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::watch;
 use tokio::time::Instant;
-use tower_distributed_limit::{Error, RedisBackend, Semaphore};
+use tower_distributed_limit::{Error, RedisBackend, RedisBackendBuilder, Semaphore};
 
 use support::eventually;
 
@@ -22,9 +25,14 @@ struct Sentinels {
 
 impl Sentinels {
     async fn start() -> Sentinels {
-        let cluster = tokio::task::spawn_blocking(|| RedisSentinelCluster::new(1, 1, 3))
-            .await
-            .unwrap();
+        Sentinels::with_replicas(1).await
+    }
+
+    async fn with_replicas(replicas: u16) -> Sentinels {
+        let cluster =
+            tokio::task::spawn_blocking(move || RedisSentinelCluster::new(1, replicas, 3))
+                .await
+                .unwrap();
         let urls = cluster
             .iter_sentinel_servers()
             .map(|server| {
@@ -80,6 +88,57 @@ impl Sentinels {
         self.cluster.servers[server].process.id()
     }
 
+    /// Forces a failover and waits until the sentinels name another master. Until they
+    /// have seen a replica answer they refuse (NOGOODSLAVE), and while the last failover
+    /// still reconfigures its replicas too (INPROG).
+    async fn fail_over(&self) {
+        let before = self.master_addr().await;
+        eventually(
+            Duration::from_secs(30),
+            "the sentinels to start a failover",
+            || async {
+                redis::cmd("SENTINEL")
+                    .arg("FAILOVER")
+                    .arg(MASTER)
+                    .exec_async(&mut self.sentinel().await)
+                    .await
+                    .is_ok()
+            },
+        )
+        .await;
+        eventually(
+            Duration::from_secs(30),
+            "the sentinels to name a new master",
+            || async { self.master_addr().await != before },
+        )
+        .await;
+    }
+
+    /// Whether `server` serves as a replica now.
+    async fn is_replica(&self, server: usize) -> bool {
+        let (host, port) = self.cluster.servers[server].host_and_port().unwrap();
+        let client = redis::Client::open(format!("redis://{host}:{port}")).unwrap();
+        let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+            return false;
+        };
+        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await.unwrap();
+        matches!(&role[0], redis::Value::BulkString(r) if r == b"slave")
+    }
+
+    /// Waits until `server` serves as a replica.
+    async fn demoted(&self, server: usize) {
+        eventually(
+            Duration::from_secs(30),
+            "the old master to be a replica",
+            || self.is_replica(server),
+        )
+        .await;
+    }
+
+    fn backend(&self) -> RedisBackendBuilder {
+        RedisBackend::sentinel_builder(&self.urls, MASTER).call_timeout(Duration::from_millis(300))
+    }
+
     async fn master_addr(&self) -> Vec<String> {
         redis::cmd("SENTINEL")
             .arg("GET-MASTER-ADDR-BY-NAME")
@@ -115,22 +174,12 @@ async fn a_forced_failover_is_followed_without_a_restart() {
     let permit = waiter.await.unwrap().unwrap();
     drop(permit);
 
-    let before = sentinels.master_addr().await;
-    redis::cmd("SENTINEL")
-        .arg("FAILOVER")
-        .arg(MASTER)
-        .exec_async(&mut sentinels.sentinel().await)
-        .await
-        .unwrap();
-    eventually(
-        Duration::from_secs(30),
-        "the sentinels to name a new master",
-        || async { sentinels.master_addr().await != before },
-    )
-    .await;
+    let old = sentinels.server_at(&sentinels.master_addr().await);
+    sentinels.fail_over().await;
+    sentinels.demoted(old).await;
 
-    // The old master is now a replica (or still promoting its successor): acquires find
-    // their way to the new master within the acquire timeout.
+    // Acquires find their way to the new master, once it has waited out the promotion
+    // fence (a lease and 2 s: grants the old master may have made meanwhile have ended).
     let permit = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             match sem.acquire().await {
@@ -241,4 +290,247 @@ async fn a_grant_lost_in_a_failover_is_reported_lost() {
         .await
         .expect("the holder the new master never saw is lost, long before its lease ends");
     support::signal(sentinels.pid(master), "CONT");
+}
+
+/// One hold as its holder saw it, timed on this process's clock.
+struct Hold {
+    start: Instant,
+    /// The end of the interval the holder was told it held (see `tests/soak.rs`'s counting
+    /// rule): its release if the permit was not lost by then, else no later than its lease.
+    until: Instant,
+}
+
+/// Tasks that acquire, hold for 5-60 ms (or until the permit is lost), and give back, until
+/// `stop`; every hold is pushed to `holds`.
+fn hammer(
+    sem: Semaphore,
+    tasks: usize,
+    holds: Arc<Mutex<Vec<Hold>>>,
+    stop: watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..tasks)
+        .map(|_| {
+            let (sem, holds, stop) = (sem.clone(), holds.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !*stop.borrow() {
+                    let Ok(permit) = sem.acquire().await else {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    };
+                    let start = Instant::now();
+                    let promised = start + permit.remaining();
+                    if permit.is_lost() {
+                        continue;
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(fastrand::u64(5..=60))) => {}
+                        _ = permit.lost() => {}
+                    }
+                    let end = Instant::now();
+                    let until = if permit.is_lost() {
+                        end.min(promised)
+                    } else {
+                        end
+                    };
+                    holds.lock().unwrap().push(Hold { start, until });
+                }
+            })
+        })
+        .collect()
+}
+
+/// The most holds that overlap at any moment.
+fn most_at_once(holds: &[Hold]) -> usize {
+    let mut events: Vec<(Instant, i32)> = holds
+        .iter()
+        .filter(|hold| hold.until > hold.start)
+        .flat_map(|hold| [(hold.start, 1), (hold.until, -1)])
+        .collect();
+    // Ends before starts at the same instant (half-open intervals).
+    events.sort();
+    let (mut now, mut most) = (0, 0);
+    for (_, delta) in events {
+        now += delta;
+        most = most.max(now);
+    }
+    most as usize
+}
+
+/// Two forced failovers while processes hold and acquire: some started before the first
+/// (connected to the old master, which stays writable until the sentinels reconfigure it), one
+/// after it (connected to the new master at once). Never more holders than the limit across
+/// old and new master, and the old processes are served by the new master afterwards.
+async fn failovers_never_double_the_limit(wait: bool) {
+    let sentinels = Sentinels::with_replicas(2).await;
+    let limit = 2;
+    let semaphore = |backend| {
+        Semaphore::builder("failing-over")
+            .limit(limit)
+            .lease(Duration::from_millis(1500))
+            .acquire_timeout(Duration::from_secs(10))
+            .build(backend)
+            .unwrap()
+    };
+    let backend = || async {
+        let builder = sentinels.backend();
+        let builder = if wait {
+            builder.wait_for_replicas(1, Duration::from_millis(100))
+        } else {
+            builder
+        };
+        builder.connect().await.unwrap()
+    };
+    let holds = Arc::new(Mutex::new(Vec::new()));
+    let (stop, stopped) = watch::channel(false);
+    let mut tasks = Vec::new();
+    for _ in 0..2 {
+        tasks.extend(hammer(
+            semaphore(backend().await),
+            3,
+            holds.clone(),
+            stopped.clone(),
+        ));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    for round in 0..2 {
+        sentinels.fail_over().await;
+        if round == 0 {
+            tasks.extend(hammer(
+                semaphore(backend().await),
+                3,
+                holds.clone(),
+                stopped.clone(),
+            ));
+        }
+        // Past the promotion fence (lease 1.5 s + 1.3 s): the new master serves.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    let served_before = holds.lock().unwrap().len();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.send(true).unwrap();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(15), task)
+            .await
+            .expect("the tasks stop")
+            .unwrap();
+    }
+    let holds = holds.lock().unwrap();
+    let most = most_at_once(&holds);
+    assert!(
+        most <= limit as usize,
+        "{most} holders at once (limit {limit}) across old and new master"
+    );
+    assert!(
+        holds.len() > served_before,
+        "the new master serves after the failovers ({} holds in all)",
+        holds.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failovers_never_double_the_limit_without_wait() {
+    failovers_never_double_the_limit(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failovers_never_double_the_limit_with_wait() {
+    failovers_never_double_the_limit(true).await;
+}
+
+/// The child of `a_process_frozen_across_a_failover_wakes_on_the_new_master`: connects, says
+/// `ready`, and on each line of stdin tries to acquire for 1 s and says what happened (`held`,
+/// `full`, or `error`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "runs only as a child process of the other tests"]
+async fn child_process() {
+    let Some((role, urls)) = support::child_role() else {
+        return;
+    };
+    assert_eq!(role, "frozen", "unknown role");
+    let urls: Vec<&str> = urls.split(',').collect();
+    let backend = RedisBackend::sentinel_builder(&urls, MASTER)
+        .call_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .unwrap();
+    let sem = Semaphore::builder("frozen")
+        .limit(1)
+        .lease(Duration::from_millis(1500))
+        .acquire_timeout(Duration::from_secs(1))
+        .build(backend)
+        .unwrap();
+    // A round trip on the first master: the script is loaded, the connection in use.
+    drop(sem.acquire().await.unwrap());
+    println!("DLIMIT ready");
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    while let Ok(Some(_)) = lines.next_line().await {
+        match sem.acquire().await {
+            Ok(mut permit) => {
+                println!("DLIMIT held {}", permit.fencing_token());
+                permit.release().await.unwrap();
+            }
+            Err(Error::Timeout { .. }) => println!("DLIMIT full"),
+            Err(e) => println!("DLIMIT error {e}"),
+        }
+    }
+}
+
+/// A process frozen while its master is deposed wakes up still connected to the old master,
+/// which is still writable for a while (it was frozen too, so not reconfigured yet). It must not be granted there: its first call asks the
+/// sentinels (their word is older than a second), moves to the new master, and finds the only
+/// slot taken there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_frozen_across_a_failover_wakes_on_the_new_master() {
+    let sentinels = Sentinels::with_replicas(2).await;
+    let mut child = support::spawn_child_with("frozen", &sentinels.urls.join(","));
+    assert_eq!(support::child_says(&mut child).await, "ready");
+    let pid = child.id().unwrap();
+    support::signal(pid, "STOP");
+    // The old master is frozen through the failover, so the sentinels cannot reconfigure it
+    // yet: thawed, it still takes writes, as a master cut off by a partition would.
+    let old = sentinels.server_at(&sentinels.master_addr().await);
+    support::signal(sentinels.pid(old), "STOP");
+    sentinels.fail_over().await;
+    // The only slot, taken on the new master (once its promotion fence has passed). Until
+    // every sentinel has learnt of the switch, one may still name the frozen master.
+    let started = Instant::now();
+    let backend = loop {
+        match sentinels.backend().connect().await {
+            Ok(backend) => break backend,
+            Err(e) if started.elapsed() < Duration::from_secs(20) => eprintln!("{e}"),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let sem = Semaphore::builder("frozen")
+        .limit(1)
+        .lease(Duration::from_millis(1500))
+        .acquire_timeout(Duration::from_secs(15))
+        .build(backend)
+        .unwrap();
+    let held = sem.acquire().await.unwrap();
+    support::signal(sentinels.pid(old), "CONT");
+    support::signal(pid, "CONT");
+    let stdin = child.stdin.as_mut().unwrap();
+    stdin.write_all(b"acquire\n").await.unwrap();
+    let said = support::child_says(&mut child).await;
+    assert_eq!(
+        said,
+        "full",
+        "the woken process must find the slot taken on the new master (old master still \
+         writable: {})",
+        !sentinels.is_replica(old).await
+    );
+    assert!(!held.is_lost());
+    drop(held);
+    // Served by the new master once the slot is free.
+    let mut said = String::new();
+    for _ in 0..10 {
+        let stdin = child.stdin.as_mut().unwrap();
+        stdin.write_all(b"acquire\n").await.unwrap();
+        said = support::child_says(&mut child).await;
+        if said.starts_with("held") {
+            return;
+        }
+    }
+    panic!("the woken process is not served by the new master: {said}");
 }

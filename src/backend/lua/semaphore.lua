@@ -7,18 +7,22 @@
 --                  `limit` = the limit every process admits by, `pinned` = 1 when an operator set
 --                  it (then meta never expires); otherwise the first process's configured limit,
 --                  which goes with the other keys when the semaphore falls idle; `line` = when
---                  queue and alive expire (ms)
--- KEYS[3] queue:   zset, member -> arrival (µs): who waits, oldest first
+--                  queue and alive expire (ms), `arrived` = the last arrival score given
+--                  (µs), so arrivals in one call or one microsecond keep their order
+-- KEYS[3] queue:   zset, member -> arrival (µs, strictly increasing): who waits, oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
 -- KEYS[6] (acquire only, optional) a rate limiter's key, decided with the acquires
+-- KEYS[#KEYS] (with a promotion fence) promoted: hash, `id` = the replication id under which
+--                  this server was first seen promoted from a replica, `at` = when (ms); one
+--                  key for every semaphore of the server (used through Sentinel only)
 -- A member is "<holder id>:<weight>:<lease ms>", the id's first 8 hex digits naming its
 -- process. All keys share one hash tag (one Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
 -- when nothing is held past that horizon); queue and alive expire with the latest waiter
 -- deadline.
 --
 -- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
--- patience ms, claim ms, k, then k members to release
+-- patience ms, claim ms, promotion fence ms (0: none), k, then k members to release
 -- (holders or waiters; absent ones are ignored), then the operation's arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
 --       -> per member, in order: {1, token, left µs, limit} granted
@@ -48,8 +52,9 @@
 local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local op, channel, publisher, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
-local released = tonumber(ARGV[7])
-local args = 8 + released
+local promotion_fence = tonumber(ARGV[7])
+local released = tonumber(ARGV[8])
+local args = 9 + released
 if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
   return redis.error_reply('unknown publish command ' .. tostring(publisher))
 end
@@ -75,10 +80,11 @@ local function left(deadline)
 end
 
 local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
-  'line')
+  'line', 'arrived')
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local line = tonumber(stored[7]) or 0
+local arrived = tonumber(stored[8]) or 0
 local changed = false
 -- One limit for every process: the one stored with the semaphore, else this caller's, stored
 -- for the others to adopt.
@@ -92,6 +98,43 @@ if op == 'set_limit' then
   limit = tonumber(ARGV[args])
   pinned = true
   changed = true
+end
+
+-- A replica promoted to master (a failover) may lack grants the old master made (replication
+-- is asynchronous), and the old master may go on granting to processes that have not heard of
+-- the failover yet, for as long as the sentinels' word a client acts on may be old (the fence,
+-- sent by the client). So for a lease and the fence after this server is first seen promoted,
+-- nothing new is granted here: every grant made elsewhere before has ended by then. Holders
+-- it knows of renew as usual.
+local promoted = nil
+local promoted_key = promotion_fence > 0 and KEYS[#KEYS] or nil
+if promoted_key then
+  local info = redis.call('INFO', 'replication')
+  local previous = string.match(info, 'master_replid2:(%x+)')
+  if previous and string.find(previous, '[^0]') then
+    local id = string.match(info, 'master_replid:(%x+)')
+    local seen = redis.call('HMGET', promoted_key, 'id', 'at')
+    if seen[1] == id then
+      promoted = tonumber(seen[2])
+    else
+      promoted = now
+      redis.call('HSET', promoted_key, 'id', id, 'at', int(now))
+    end
+  end
+end
+-- The earliest a grant held off by the fence may be made (ms), for the waiters' retry hint.
+local fenced_until = nil
+-- Whether a grant of `lease` ms may be made now.
+local function settled(lease)
+  if not promoted then
+    return true
+  end
+  local from = promoted + lease + promotion_fence
+  if now >= from then
+    return true
+  end
+  fenced_until = math.min(fenced_until or from, from)
+  return false
 end
 
 -- Drop holders whose lease has passed, if the earliest has. `earliest` is the earliest lease
@@ -179,7 +222,7 @@ local function extend(member)
 end
 
 local removed = 0
-for i = 8, args - 1 do
+for i = 9, args - 1 do
   local member = ARGV[i]
   if redis.call('ZREM', holders, member) == 1 then
     redis.call('HDEL', since, member)
@@ -244,7 +287,7 @@ if waiting > 0 then
     if member then
       weight, lease = parse(member)
     end
-    if not member or used + weight > limit then
+    if not member or used + weight > limit or not settled(lease) then
       waiting = member and 1 or 0
       break
     end
@@ -276,14 +319,19 @@ local function wait(member)
   end
 end
 
--- Time until the earliest lease ends (at least 1 ms), or the patience when nobody holds.
+-- Time until the earliest lease ends or the promotion fence lets a grant through (at least
+-- 1 ms), or the patience when neither is due.
 local function retry_in()
   if not earliest_known then
     earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
     earliest_known = true
   end
-  if earliest then
-    return math.max(earliest - now, 1)
+  local due = earliest
+  if fenced_until and (not due or fenced_until < due) then
+    due = fenced_until
+  end
+  if due then
+    return math.max(due - now, 1)
   end
   return patience
 end
@@ -315,12 +363,12 @@ if op == 'acquire' then
   -- order, as if made alone. One released by this very call was cancelled by its caller
   -- meanwhile: it is not added.
   local cancelled = {}
-  for i = 8, args - 1 do
+  for i = 9, args - 1 do
     cancelled[ARGV[i]] = true
   end
   -- A rate limit (KEYS[6]) decided with each acquire that would be granted at once.
   local rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
-  local rated = KEYS[6] ~= nil and rate > 0
+  local rated = KEYS[6] ~= nil and KEYS[6] ~= promoted_key and rate > 0
   reply = {}
   for i = args + 3, #ARGV - 2, 3 do
     local member, mode, cost = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
@@ -338,7 +386,7 @@ if op == 'acquire' then
       answer = {2, 0, now_us, limit}
     elseif cancelled[member] then
       answer = {0, 0, now_us, limit}
-    elseif waiting == 0 and used + weight <= limit then
+    elseif waiting == 0 and used + weight <= limit and settled(lease) then
       local allowed, retry_us = true, 0
       if rated and cost > 0 then
         local _
@@ -352,7 +400,11 @@ if op == 'acquire' then
         answer = {4, retry_us, limit}
       end
     elseif mode ~= 'once' then
-      redis.call('ZADD', queue, int(now_us), member)
+      -- Strictly after every earlier arrival, so members queued by one call (or by two calls
+      -- in the same microsecond) are served in the order they came.
+      arrived = math.max(now_us, arrived + 1)
+      redis.call('ZADD', queue, int(arrived), member)
+      changed = true
       waiting = 1
       wait(member)
       answer = {2, 0, now_us, limit}
@@ -420,6 +472,10 @@ if changed then
     if line ~= tonumber(stored[7] or 0) then
       table.insert(fields, 'line')
       table.insert(fields, int(line))
+    end
+    if arrived ~= tonumber(stored[8] or 0) then
+      table.insert(fields, 'arrived')
+      table.insert(fields, int(arrived))
     end
     if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
       table.insert(fields, 'limit')

@@ -92,6 +92,7 @@ async fn send(
     args: impl Fn(&mut Cmd, bool),
 ) -> RedisResult<(Value, Option<i64>)> {
     let (mut source, mut repeat, mut dropped_once, mut pushes) = (false, false, false, 0);
+    let mut moved_once = false;
     let mut pause = Duration::from_millis(10);
     loop {
         let mut command = if source {
@@ -124,6 +125,16 @@ async fn send(
             // call itself may have run; every operation is safe to send again.
             Ok((Value::Push { .. }, _)) if pushes < 3 => {
                 pushes += 1;
+                repeat = true;
+            }
+            // Too few replicas acknowledged: on Sentinel, the master may have been deposed
+            // (its replicas follow the new one). If the sentinels name another, ask it.
+            Ok((_, Some(acked)))
+                if replicas.is_some_and(|r| acked < i64::from(r.count))
+                    && !moved_once
+                    && conn.master_moved().await =>
+            {
+                moved_once = true;
                 repeat = true;
             }
             Err(e) if !source && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
@@ -210,6 +221,12 @@ struct Connection {
     reconnects: Arc<watch::Sender<u64>>,
     /// `wait_for_replicas`: how many replicas must acknowledge a grant, and how long to wait.
     replicas: Option<Replicas>,
+    /// Through Sentinel, the promotion fence every semaphore call carries: after a failover,
+    /// the new master grants nothing new for a lease and this long (see `lua/semaphore.lua`),
+    /// so the grants the old master made that never reached it, and those it made to
+    /// processes that had not heard of the failover, have ended by then. It is the oldest
+    /// word of the sentinels a call may act on, plus the call's own time.
+    promotion_fence: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -308,10 +325,28 @@ impl RedisBackend {
     }
 
     /// Connects to the master that the Sentinels at `sentinels` watch under `master_name`,
-    /// with the default settings of [`RedisBackend::sentinel_builder`]. A call that cannot
-    /// reach the master, or finds it demoted (`READONLY`), asks the Sentinels again and
-    /// follows a failover: subscriptions move along, waiters check their line and holders
-    /// renew at once (a grant the new master never received is reported lost).
+    /// with the default settings of [`RedisBackend::sentinel_builder`].
+    ///
+    /// The backend never acts on a deposed master:
+    /// - it subscribes to a sentinel's `+switch-master` and asks it every 250 ms which node is
+    ///   the master; on a switch it drops the old master's connection at once;
+    /// - a call goes only to a master the sentinels named within the last second (a process
+    ///   that was frozen, or lost its sentinel, asks them first); a reconnect goes through
+    ///   them too;
+    /// - a call that cannot reach the master, finds it demoted (`READONLY`, `MASTERDOWN`), or
+    ///   whose master was deposed while it was in flight asks the sentinels and is sent again
+    ///   to the new master, within the call timeout;
+    /// - subscriptions move along, waiters check their line and holders renew at once, so a
+    ///   grant the new master never received is reported lost, never re-added;
+    /// - a promoted master grants nothing new for one lease plus one second plus the call
+    ///   timeout after it is first used (the *promotion fence*, decided by the server from
+    ///   its replication ids): every grant the old master made that it may lack, or made to a
+    ///   process that had not heard of the failover yet, has ended by then. Holders it knows
+    ///   keep renewing; waiters queue and are served when the fence ends.
+    ///
+    /// What remains: a process that still reaches the deposed master while its sentinel has
+    /// not learnt of the failover. [`wait_for_replicas`](RedisBackendBuilder::wait_for_replicas)
+    /// closes most of it: a deposed master soon has no replica to acknowledge a grant.
     ///
     /// # Example
     ///
@@ -476,6 +511,11 @@ impl RedisBackendBuilder {
     /// saw it fails too. `WAIT` holds this process's connection until the replicas answer, so
     /// keep `timeout` short (tens of milliseconds).
     ///
+    /// On a Cluster, `WAIT` goes to the node that owns the semaphore's slot, with its script
+    /// call. Through Sentinel, too few acknowledgements also mean the master may have been
+    /// deposed (its replicas follow the new one): the sentinels are asked, and the call goes
+    /// once more to the master they name.
+    ///
     /// # Example
     ///
     /// ```no_run
@@ -601,18 +641,14 @@ impl RedisBackendBuilder {
                 "add_root_certificate_pem applies to TLS connections: use a rediss:// URL",
             ));
         }
-        if self.replicas.is_some() && matches!(nodes, Nodes::Cluster(_)) {
-            return Err(Error::config(
-                "wait_for_replicas is not supported on Redis Cluster yet (WAIT would not reach \
-                 the node that owns the semaphore); use it with a single master",
-            ));
-        }
         let label = match &nodes {
             Nodes::Single(info) => info.addr().to_string(),
             Nodes::Cluster(infos) => format!("{} (cluster)", infos[0].addr()),
             Nodes::Sentinel(_, master) => format!("master {master:?} (via the sentinels)"),
         };
         let cluster = matches!(nodes, Nodes::Cluster(_));
+        let promotion_fence =
+            matches!(nodes, Nodes::Sentinel(..)).then_some(connection::CONFIRM + self.call_timeout);
         let target = Target {
             nodes,
             tls,
@@ -650,6 +686,7 @@ impl RedisBackendBuilder {
                 call_timeout: self.call_timeout,
                 reconnects,
                 replicas: self.replicas,
+                promotion_fence,
             }),
             prefix: self.prefix.into(),
         })
@@ -841,7 +878,11 @@ fn hash_tag(name: &str) -> String {
 /// A server state that passes by itself: loading its data set after a restart (`LOADING`),
 /// running a long script (`BUSY`), a cluster slot moving (`TRYAGAIN`), no master (`MASTERDOWN`).
 fn is_transient(e: &RedisError) -> bool {
-    matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry) || e.code() == Some("BUSY")
+    matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry)
+        || e.code() == Some("BUSY")
+        // A replica, or a master demoted meanwhile: through Sentinel, the next attempt asks
+        // the sentinels for the master first.
+        || e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
 }
 
 /// A first connection that failed: what failed, and what to check.

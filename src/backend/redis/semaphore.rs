@@ -40,6 +40,10 @@ impl Open for RedisBackend {
             me: me.clone(),
             shared: self.shared.clone(),
             keys: ["holders", "meta", "queue", "alive", "since"].map(|key| format!("{base}:{key}")),
+            promoted: self
+                .shared
+                .promotion_fence
+                .map(|fence| (format!("{}dlimit-promoted", self.prefix), fence)),
             warned: AtomicBool::new(false),
             limit,
             channel,
@@ -54,6 +58,9 @@ struct RedisSemaphore {
     /// Keeps the connection and the announcement hub alive as long as the semaphore.
     shared: Arc<Connection>,
     keys: [String; 5],
+    /// Through Sentinel: the server's promotion key (one per prefix) and the fence (see
+    /// `Connection::promotion_fence`).
+    promoted: Option<(String, Duration)>,
     /// Where grants are announced: `<channel>:<process tag>`, the tag being the first hex
     /// digits of the member's id.
     channel: String,
@@ -129,10 +136,18 @@ impl RedisSemaphore {
             until,
             replicas,
             |command, repeat| {
+                let promoted = self.promoted.as_ref();
                 command
-                    .arg(self.keys.len() + usize::from(rate_key.is_some()))
+                    .arg(
+                        self.keys.len()
+                            + usize::from(rate_key.is_some())
+                            + usize::from(promoted.is_some()),
+                    )
                     .arg(&self.keys[..]);
                 if let Some(key) = rate_key {
+                    command.arg(key);
+                }
+                if let Some((key, _)) = promoted {
                     command.arg(key);
                 }
                 command
@@ -142,6 +157,7 @@ impl RedisSemaphore {
                     .arg(self.limit)
                     .arg(PATIENCE.as_millis() as u64)
                     .arg(CLAIM.as_millis() as u64)
+                    .arg(promoted.map_or(0, |(_, fence)| fence.as_millis() as u64))
                     .arg(carried.members.len() + usize::from(releasing.is_some()));
                 if let Some(member) = releasing {
                     command.arg(&*member.text);
