@@ -133,7 +133,8 @@ impl Keeper {
             Ok(renewed) => {
                 for ((member, lease), renewed) in members.iter().zip(&leases).zip(renewed) {
                     let kept = match renewed {
-                        Some(remaining) => lease.renewed(sent + remaining),
+                        // At most a lease from the renewal's call (see `into_permit`).
+                        Some(remaining) => lease.renewed(sent + remaining.min(member.lease)),
                         None => {
                             lease.lose();
                             false

@@ -84,5 +84,5 @@ pub use layer::{
 pub use outage::OutagePolicy;
 pub use permit::Permit;
 pub use rate::{DistributedRateLimitLayer, RateLimiter, RateLimiterBuilder};
-pub use semaphore::{Semaphore, SemaphoreBuilder};
+pub use semaphore::{MAX_NAME_LEN, Semaphore, SemaphoreBuilder};
 pub use snapshot::{Holder, Snapshot};

@@ -101,6 +101,9 @@ impl Claim {
     pub(crate) fn into_permit(mut self, token: u64, deadline: Instant, rated: bool) -> Permit {
         self.rated = rated;
         let now = Instant::now();
+        // Never believed past the configured lease from now, whatever the server said: a
+        // server whose clock stepped back reports deadlines a step too far ahead.
+        let deadline = deadline.min(now + self.member.lease);
         let lease = Lease::new(deadline, now);
         if now >= deadline {
             self.origin.telemetry.lease_lost();

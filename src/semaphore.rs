@@ -17,6 +17,31 @@ use crate::waitlist::{Waitlist, Wake};
 use crate::{Error, RateLimiter};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// The longest name of a semaphore or rate limiter, in bytes: a name is part of every key it
+/// keeps in Redis, so none grows without bound.
+///
+/// # Example
+///
+/// ```
+/// use tower_distributed_limit::{MAX_NAME_LEN, MemoryBackend, Semaphore};
+///
+/// let long = "x".repeat(MAX_NAME_LEN + 1);
+/// assert!(Semaphore::builder(long).limit(1).build(MemoryBackend::new()).is_err());
+/// ```
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// [`Error::Config`] for a `what` (semaphore, rate limiter) named over [`MAX_NAME_LEN`].
+pub(crate) fn check_name_len(what: &str, name: &str) -> Result<(), Error> {
+    if name.len() > MAX_NAME_LEN {
+        return Err(Error::config(format!(
+            "the {what} name is {} bytes; names are at most {MAX_NAME_LEN} bytes (a name is \
+             part of every key it keeps in Redis)",
+            name.len()
+        )));
+    }
+    Ok(())
+}
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_MAX_WAITERS: usize = 10_000;
 /// The longest lease: leases travel to Redis as 32-bit milliseconds (about 49 days).
@@ -154,7 +179,8 @@ impl SemaphoreBuilder {
 
     /// Checks the settings and opens the semaphore on `backend`.
     ///
-    /// Fails with [`Error::Config`] for an empty name, a missing or zero limit, a lease under
+    /// Fails with [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`] bytes, a
+    /// missing or zero limit, a lease under
     /// 1 ms or over 49 days, a zero acquire timeout or `max_waiters`, or a local outage limit
     /// of 0.
     pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
@@ -163,6 +189,7 @@ impl SemaphoreBuilder {
                 "the semaphore name is empty; every process sharing the limit must use the same non-empty name",
             ));
         }
+        check_name_len("semaphore", &self.name)?;
         let limit = match self.limit {
             None => {
                 return Err(Error::config(format!(

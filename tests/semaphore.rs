@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use tower_distributed_limit::{Backend, Error, Semaphore};
+use tower_distributed_limit::{Backend, Error, MAX_NAME_LEN, Partitions, RateLimiter, Semaphore};
 
 use support::eventually;
 
@@ -70,6 +70,33 @@ fn assert_config(result: Result<impl std::fmt::Debug, Error>, mentions: &str) {
 async fn config_errors(backend: impl Backend + Clone) {
     let b = || backend.clone();
     assert_config(Semaphore::builder("").limit(1).build(b()), "name is empty");
+    // A hostile name (1 MB) would become 1 MB keys: refused, saying the bound.
+    let huge = "n".repeat(1 << 20);
+    assert_config(
+        Semaphore::builder(huge.clone()).limit(1).build(b()),
+        "at most 1024 bytes",
+    );
+    assert!(
+        Semaphore::builder("n".repeat(MAX_NAME_LEN))
+            .limit(1)
+            .build(b())
+            .is_ok(),
+        "a name of exactly the bound is accepted"
+    );
+    assert_config(
+        Partitions::builder("tenants")
+            .key(|_: &()| None::<String>)
+            .limit(1)
+            .max_key_len(MAX_NAME_LEN)
+            .build(b()),
+        "at most 1024 bytes",
+    );
+    assert_config(
+        RateLimiter::builder(huge)
+            .rate(1, Duration::from_secs(1))
+            .build(tower_distributed_limit::MemoryBackend::new()),
+        "at most 1024 bytes",
+    );
     assert_config(Semaphore::builder("x").build(b()), "no limit");
     assert_config(Semaphore::builder("x").limit(0).build(b()), "limit 0");
     assert_config(

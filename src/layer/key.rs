@@ -9,7 +9,7 @@ use http::HeaderName;
 
 use super::limiter::Pick;
 use crate::sync::lock;
-use crate::{Backend, Error, OutagePolicy, Semaphore, SemaphoreBuilder};
+use crate::{Backend, Error, MAX_NAME_LEN, OutagePolicy, Semaphore, SemaphoreBuilder};
 
 const DEFAULT_CAPACITY: usize = 10_000;
 const DEFAULT_MAX_KEY_LEN: usize = 256;
@@ -271,7 +271,8 @@ impl<K> PartitionsBuilder<K> {
         self
     }
 
-    /// The longest key accepted, in bytes (default 256, at least 1).
+    /// The longest key accepted, in bytes (default 256, at least 1; with the base name and a
+    /// `:`, at most [`MAX_NAME_LEN`](crate::MAX_NAME_LEN)).
     pub fn max_key_len(mut self, max: usize) -> Self {
         self.max_key_len = max;
         self
@@ -302,6 +303,15 @@ impl<K> PartitionsBuilder<K> {
         if self.capacity == 0 || self.max_key_len == 0 {
             return Err(Error::Config(format!(
                 "partitions {base:?}: capacity and max_key_len must be at least 1"
+            )));
+        }
+        // A key's semaphore is named "<base>:<key>".
+        if base.len() + 1 + self.max_key_len > MAX_NAME_LEN {
+            return Err(Error::Config(format!(
+                "partitions {base:?}: the base name and max_key_len ({}) make semaphore names \
+                 of up to {} bytes; names are at most {MAX_NAME_LEN} bytes",
+                self.max_key_len,
+                base.len() + 1 + self.max_key_len
             )));
         }
         let build: Box<BuildFn> =

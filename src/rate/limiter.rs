@@ -117,7 +117,8 @@ impl RateLimiterBuilder {
 
     /// Checks the settings and opens the limiter on `backend`.
     ///
-    /// Fails with [`Error::Config`] for an empty name, a missing or zero rate, a zero period,
+    /// Fails with [`Error::Config`] for an empty name or one over
+    /// [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes, a missing or zero rate, a zero period,
     /// a burst of 0, a period × burst too large to compute exactly (over about 140 years of
     /// microseconds), a local outage limit of 0, or a [`QuorumBackend`](crate::QuorumBackend).
     pub fn build(self, backend: impl RateBackend) -> Result<RateLimiter, Error> {
@@ -127,6 +128,7 @@ impl RateLimiterBuilder {
                 "the rate limiter's name is empty; every process sharing the rate must use the same non-empty name",
             ));
         }
+        crate::semaphore::check_name_len("rate limiter", name)?;
         let Some((rate, period)) = self.rate else {
             return Err(Error::config(format!(
                 "rate limiter {name:?} has no rate; call .rate(n, period), e.g. .rate(100, Duration::from_secs(1))"

@@ -127,10 +127,19 @@ impl RedisProcess {
     /// Starts `redis-server` with `args(port, dir)` after a few defaults (loopback only, no
     /// persistence), and waits until the port accepts connections.
     pub async fn start(args: impl FnOnce(u16, &std::path::Path) -> Vec<String>) -> RedisProcess {
+        RedisProcess::start_with_env(&[], args).await
+    }
+
+    /// [`RedisProcess::start`] with environment variables for the server (e.g. `LD_PRELOAD`).
+    pub async fn start_with_env(
+        env: &[(&str, &std::ffi::OsStr)],
+        args: impl FnOnce(u16, &std::path::Path) -> Vec<String>,
+    ) -> RedisProcess {
         let dir = std::env::temp_dir().join(format!("dlimit-redis-{}", fastrand::u64(..)));
         std::fs::create_dir_all(&dir).unwrap();
         let port = free_port();
         let child = Command::new("redis-server")
+            .envs(env.iter().copied())
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&dir)

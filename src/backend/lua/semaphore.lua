@@ -151,6 +151,33 @@ if earliest and earliest <= now then
   changed = true
   earliest_known = false
 end
+-- The server's clock stepped back: deadlines set before the step lie more than a lease ahead
+-- and would keep their slots a step too long. Each is clamped to now + its lease (one read
+-- when the clock is sane); so are the waiters' liveness deadlines, to now + patience.
+local function clamp(key, span_of)
+  local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if not latest[2] or tonumber(latest[2]) <= now + span_of(latest[1]) then
+    return false
+  end
+  local entries = redis.call('ZRANGEBYSCORE', key, '(' .. int(now), '+inf', 'WITHSCORES')
+  for i = 1, #entries, 2 do
+    local bound = now + span_of(entries[i])
+    if tonumber(entries[i + 1]) > bound then
+      redis.call('ZADD', key, 'XX', int(bound), entries[i])
+    end
+  end
+  return true
+end
+if clamp(holders, function(member)
+  local _, lease = parse(member)
+  return lease
+end) then
+  earliest_known = false
+  changed = true
+end
+clamp(alive, function()
+  return patience
+end)
 if used and count then
   for _, member in ipairs(expired) do
     used = used - parse(member)

@@ -221,6 +221,8 @@ struct Connection {
     reconnects: Arc<watch::Sender<u64>>,
     /// `wait_for_replicas`: how many replicas must acknowledge a grant, and how long to wait.
     replicas: Option<Replicas>,
+    /// The eviction policy last warned about (`check_eviction`).
+    eviction: Arc<Mutex<Option<String>>>,
     /// Through Sentinel, the promotion fence every semaphore call carries: after a failover,
     /// the new master grants nothing new for a lease and this long (see `lua/semaphore.lua`),
     /// so the grants the old master made that never reached it, and those it made to
@@ -687,6 +689,7 @@ impl RedisBackendBuilder {
                 reconnects,
                 replicas: self.replicas,
                 promotion_fence,
+                eviction: Arc::default(),
             }),
             prefix: self.prefix.into(),
         })
@@ -709,6 +712,43 @@ impl Connection {
         if let Some(requests) = lock(&self.requests).take() {
             tokio::spawn(subscriber(conn.clone(), requests));
         }
+        self.check_eviction();
+    }
+
+    /// Warns, once for each policy seen, when the server may evict the crate's keys: with a
+    /// `maxmemory` set and any policy but `noeviction` (every key of a semaphore has a TTL, so
+    /// the `volatile-*` policies may take them too), a holder's key can vanish under memory
+    /// pressure and the limit be exceeded. Asked at connect and after every reconnect.
+    fn check_eviction(&self) {
+        let (Some(conn), Ok(runtime)) = (self.conn.get(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let (mut conn, warned) = (conn.clone(), self.eviction.clone());
+        let label = self.health.label().to_owned();
+        runtime.spawn(async move {
+            let mut info = redis::cmd("INFO");
+            info.arg("memory");
+            let Ok(info) = info.query_async::<Value>(&mut conn).await else {
+                return;
+            };
+            let risk = eviction_risk(&info);
+            let mut warned = lock(&warned);
+            if let Some(policy) = risk
+                .as_ref()
+                .filter(|risk| *warned != Some((*risk).clone()))
+            {
+                tracing::warn!(
+                    backend = %label,
+                    policy = %policy,
+                    "Redis may evict this crate's keys (maxmemory is set, maxmemory-policy is \
+                     {policy}): under memory pressure a holder's key can vanish and more than \
+                     the limit run at once; set maxmemory-policy noeviction, or give the \
+                     semaphores a Redis of their own"
+                );
+            }
+            *warned = risk;
+        });
     }
 
     /// The command that announces a grant: on a cluster, sharded pub/sub (`SPUBLISH`), which
@@ -741,6 +781,31 @@ impl Reconnect for Connection {
             kind: PushKind::Disconnection,
             data: Vec::new(),
         });
+        self.check_eviction();
+    }
+}
+
+/// The eviction policy in an `INFO memory` reply (one text, or one per node of a Cluster),
+/// when some node may evict keys: a `maxmemory` above 0 with a policy other than `noeviction`.
+fn eviction_risk(info: &Value) -> Option<String> {
+    match info {
+        Value::BulkString(text) => {
+            let text = String::from_utf8_lossy(text);
+            let field = |name: &str| {
+                text.lines()
+                    .find_map(|line| line.strip_prefix(name))
+                    .map(str::trim)
+            };
+            let bounded = field("maxmemory:").is_some_and(|bytes| bytes != "0");
+            let policy = field("maxmemory_policy:")?;
+            (bounded && policy != "noeviction").then(|| policy.to_owned())
+        }
+        Value::VerbatimString { text, .. } => {
+            eviction_risk(&Value::BulkString(text.clone().into_bytes()))
+        }
+        Value::Map(nodes) => nodes.iter().find_map(|(_, info)| eviction_risk(info)),
+        Value::Array(nodes) => nodes.iter().find_map(eviction_risk),
+        _ => None,
     }
 }
 

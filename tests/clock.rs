@@ -1,0 +1,217 @@
+//! Time that steps: the Redis server's wall clock moved by an `LD_PRELOAD` shim
+//! (`support/clock_shift.c`, built with `cc` here), as an NTP step would, while the monotonic
+//! clocks stay put. A lease is never believed, nor a slot kept, longer than the configured
+//! lease because the server's clock stepped back.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::time::Instant;
+use tower_distributed_limit::{RedisBackend, Semaphore};
+
+use support::{RedisProcess, child_role, child_says, signal, spawn_child_with};
+
+const LEASE: Duration = Duration::from_secs(2);
+const STEP_US: i64 = 40_000_000;
+
+/// A redis-server whose wall clock is shifted by what [`Shifted::step`] writes.
+struct Shifted {
+    server: RedisProcess,
+    shift_file: PathBuf,
+}
+
+impl Shifted {
+    async fn start() -> Shifted {
+        let dir = std::env::temp_dir().join(format!("dlimit-clock-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let library = dir.join("libclockshift.so");
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/clock_shift.c");
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&library)
+            .arg(&source)
+            .status()
+            .expect("run cc to build the clock shim");
+        assert!(built.success(), "cc failed to build {}", source.display());
+        let shift_file = dir.join("shift");
+        std::fs::write(&shift_file, "0").unwrap();
+        let env = [
+            ("LD_PRELOAD", library.as_os_str()),
+            ("DLIMIT_CLOCK_SHIFT_FILE", shift_file.as_os_str()),
+        ];
+        let server =
+            RedisProcess::start_with_env(&env, |port, _| vec!["--port".into(), port.to_string()])
+                .await;
+        Shifted { server, shift_file }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.server.port)
+    }
+
+    /// Shifts the server's wall clock to `us` from the true time, and waits until its `TIME`
+    /// shows it.
+    async fn step(&self, us: i64) {
+        std::fs::write(&self.shift_file, us.to_string()).unwrap();
+        let conn = redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        support::eventually(Duration::from_secs(5), "the server clock to step", || {
+            let mut conn = conn.clone();
+            async move {
+                let (secs, micros): (i64, i64) =
+                    redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+                let server = secs * 1_000_000 + micros;
+                let real = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_micros() as i64;
+                (server - real - us).abs() < 1_000_000
+            }
+        })
+        .await;
+    }
+
+    /// The latest lease deadline of the semaphore's holders, on the server's clock (ms).
+    async fn latest_deadline(&self, name: &str) -> Option<i64> {
+        let mut conn = redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let latest: Vec<(String, i64)> = redis::cmd("ZRANGE")
+            .arg(format!("dlimit:{{{name}}}:holders"))
+            .arg(-1)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        latest.first().map(|(_, score)| *score)
+    }
+}
+
+fn semaphore(name: &str, backend: RedisBackend, limit: u32) -> Semaphore {
+    Semaphore::builder(name)
+        .limit(limit)
+        .lease(LEASE)
+        .acquire_timeout(Duration::from_secs(10))
+        .build(backend)
+        .unwrap()
+}
+
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Stepped back 40 s, then corrected: while the clock is behind, a renewal must not be told
+/// (nor store) a deadline 40 s away, so after the correction the old holders learn they lost
+/// their slots within a lease, not after the step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_back_never_stretches_a_lease() {
+    let redis = Shifted::start().await;
+    let holder = semaphore(
+        "stepped",
+        RedisBackend::connect(&redis.url()).await.unwrap(),
+        2,
+    );
+    let held = [
+        holder.acquire().await.unwrap(),
+        holder.acquire().await.unwrap(),
+    ];
+    redis.step(-STEP_US).await;
+    // The next renewal runs on the stepped clock: the stored deadlines come back within a
+    // lease of the server's (now earlier) time.
+    support::eventually(
+        Duration::from_secs(5),
+        "a renewal on the stepped clock",
+        || async {
+            redis
+                .latest_deadline("stepped")
+                .await
+                .is_some_and(|deadline| deadline < wall_ms() - STEP_US / 2000)
+        },
+    )
+    .await;
+    for permit in &held {
+        assert!(
+            permit.remaining() <= LEASE,
+            "a permit believes {:?} of a {LEASE:?} lease",
+            permit.remaining()
+        );
+    }
+    redis.step(0).await;
+    let corrected = Instant::now();
+    // Another process takes both slots; the old holders must know they lost them soon.
+    let other = semaphore(
+        "stepped",
+        RedisBackend::connect(&redis.url()).await.unwrap(),
+        2,
+    );
+    let taken = [
+        other.acquire().await.unwrap(),
+        other.acquire().await.unwrap(),
+    ];
+    for permit in &held {
+        tokio::time::timeout(LEASE + Duration::from_secs(1), permit.lost())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "an old holder still believes its permit {:?} after the correction",
+                    corrected.elapsed()
+                )
+            });
+    }
+    drop(taken);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "runs only as a child process of the other tests"]
+async fn child_process() {
+    let Some((role, url)) = child_role() else {
+        return;
+    };
+    assert_eq!(role, "hold", "unknown role");
+    let sem = semaphore("crashed", RedisBackend::connect(&url).await.unwrap(), 1);
+    let _held = sem.acquire().await.unwrap();
+    println!("DLIMIT held");
+    // Hold until killed.
+    let _ = BufReader::new(tokio::io::stdin()).lines().next_line().await;
+}
+
+/// A holder that crashed just before the clock stepped back 40 s: its slot frees within a
+/// lease (its deadline is clamped to the server's now + lease), not after the step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_back_frees_a_crashed_holders_slot_within_a_lease() {
+    let redis = Shifted::start().await;
+    let mut child = spawn_child_with("hold", &redis.url());
+    assert_eq!(child_says(&mut child).await, "held");
+    signal(child.id().unwrap(), "KILL");
+    let killed = Instant::now();
+    redis.step(-STEP_US).await;
+    let sem = semaphore(
+        "crashed",
+        RedisBackend::connect(&redis.url()).await.unwrap(),
+        1,
+    );
+    let permit = sem.acquire().await.unwrap_or_else(|e| {
+        panic!(
+            "the crashed holder's slot is still taken {:?} after the kill: {e}",
+            killed.elapsed()
+        )
+    });
+    let freed = killed.elapsed();
+    assert!(
+        freed < LEASE + Duration::from_secs(2),
+        "the crashed holder's slot freed {freed:?} after the kill (lease {LEASE:?})"
+    );
+    drop(permit);
+}
