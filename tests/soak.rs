@@ -31,7 +31,13 @@
 //!   returned `Ok`. The wall clock is read first, then `remaining()`, then `is_lost()`.
 //! - `E <task> <wall µs> <lost 0|1>`, written when the task stops holding, before it releases.
 //!   The wall clock is read first, then `is_lost()`.
-//! - `X <task> <wall µs> <kind>` for an acquire (or release) error.
+//! - `X <task> <wall µs> <kind>` for an acquire (or release) error. A `backend` error's kind
+//!   says which, from the library's message: `backend:timeout`, `backend:down`,
+//!   `backend:dropped`, `backend:refused`, `backend:wait` (too few replicas acknowledged),
+//!   `backend:rejected` (a server error reply, e.g. `READONLY`), `backend:sentinel`,
+//!   `backend:other`.
+//! - `M <kind> <message>` the first time a process sees an error of a kind: the library's
+//!   message, shown in the report.
 //!
 //! # The counting rule
 //!
@@ -58,20 +64,61 @@
 //!
 //! Fencing tokens must also be unique across all holds.
 //!
+//! # Topologies
+//!
+//! `DLIMIT_SOAK_TOPOLOGY` picks the servers of `soak_topology` (ignored in the normal run:
+//! `scripts/soak --sentinel` / `--cluster` runs it); `soak_client_faults` and
+//! `soak_redis_restarts` always use `single`:
+//! - `single` (the default): the one redis-server above;
+//! - `sentinel`: one master and two replicas (each from a config file of its own, which the
+//!   sentinels rewrite), watched by three sentinels as `master0` (quorum 2,
+//!   `down-after-milliseconds` 1000, `failover-timeout` 2000). Workers connect with
+//!   `RedisBackend::sentinel_builder`. Redis faults every ~8 s, in shuffled rounds of three:
+//!   SIGKILL the current master and start it again ~3-4 s later (once the sentinels named a
+//!   new one) from its config file, empty, on the same port: it comes back as a master and is
+//!   turned into a replica by the sentinels some seconds later; SIGSTOP the master for 3-4 s,
+//!   then SIGCONT (a deposed master that wakes up still writable); `SENTINEL FAILOVER
+//!   master0` sent to a random sentinel;
+//! - `cluster`: three masters and three replicas (`cluster-node-timeout` 1000,
+//!   `cluster-replica-validity-factor 0`), made with `redis-cli --cluster create`. Workers
+//!   connect with `RedisBackend::cluster_builder` and every node's URL. The same three faults,
+//!   on a master that is, two times out of three, the one owning the semaphore's slot: SIGKILL
+//!   (restarted empty ~3-4 s later, once its replica took over; it rejoins as a replica from
+//!   its `nodes.conf`), SIGSTOP for 3-4 s, and `CLUSTER FAILOVER` sent to its replica.
+//!
+//! Each Redis fault is in the report's timeline with the master before and after it and how
+//! long the switch took; the summary counts the faults of each kind and the failovers seen
+//! (`+switch-master` lines in a sentinel's log; `Failover election won` lines in the cluster
+//! nodes' logs). Client faults go on as above. `DLIMIT_SOAK_WAIT=1` makes every worker use
+//! `wait_for_replicas(1, DLIMIT_SOAK_WAIT_MS)` (100 ms). Before any worker starts, the parent
+//! builds a backend with the workers' settings: one refused with `Error::Config` (e.g.
+//! `wait_for_replicas` on a Cluster, on a version that does not support it) fails the soak
+//! at once with the library's message.
+//!
+//! The counting rule is the same for every topology: all holds, whichever server granted them.
+//!
+//! Every redis-server, sentinel and worker is SIGKILLed when the test ends or panics; a
+//! watchdog shell started with the test kills those still listed (checked by start time, so
+//! never a recycled pid) if the test process itself is killed.
+//!
 //! # Settings (environment variables)
 //!
 //! `DLIMIT_SOAK_SECS` (run length; default 20 for `soak_client_faults`, 15 for
-//! `soak_redis_restarts`), `DLIMIT_SOAK_PROCS` (4), `DLIMIT_SOAK_TASKS` (8 per process),
-//! `DLIMIT_SOAK_FAULTS` (1; 0 disables client faults), `DLIMIT_SOAK_REDIS_RESTARTS` (0 or 1,
-//! overrides the test's default), `DLIMIT_SOAK_FAULT_EVERY_MS` (3000),
-//! `DLIMIT_SOAK_RESTART_EVERY_MS` (10000), `DLIMIT_SOAK_LIMIT` (5), `DLIMIT_SOAK_LEASE_MS`
+//! `soak_redis_restarts`, 30 for `soak_topology`), `DLIMIT_SOAK_PROCS` (4), `DLIMIT_SOAK_TASKS`
+//! (8 per process), `DLIMIT_SOAK_FAULTS` (1; 0 disables client faults), `DLIMIT_SOAK_REDIS_RESTARTS`
+//! (0 or 1, overrides the test's default; `single` only), `DLIMIT_SOAK_FAULT_EVERY_MS` (3000),
+//! `DLIMIT_SOAK_RESTART_EVERY_MS` (10000), `DLIMIT_SOAK_TOPOLOGY` (`single`, `sentinel` or
+//! `cluster`; `soak_topology` only), `DLIMIT_SOAK_REDIS_FAULTS` (the Sentinel and Cluster
+//! faults; defaults to `DLIMIT_SOAK_FAULTS`, so `DLIMIT_SOAK_FAULTS=0` is a baseline with no
+//! fault at all), `DLIMIT_SOAK_REDIS_FAULT_EVERY_MS` (8000), `DLIMIT_SOAK_WAIT` (0),
+//! `DLIMIT_SOAK_WAIT_MS` (100), `DLIMIT_SOAK_LIMIT` (5), `DLIMIT_SOAK_LEASE_MS`
 //! (1500), `DLIMIT_SOAK_ACQUIRE_TIMEOUT_MS` (5000), `DLIMIT_SOAK_CALL_TIMEOUT_MS` (300),
 //! `DLIMIT_SOAK_SEED` (random), `DLIMIT_SOAK_KEEP=1` (keep the logs and the AOF; they are
 //! kept anyway when the test fails). `scripts/soak` runs the long form.
 
 mod support;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -84,7 +131,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
-use tower_distributed_limit::{Error, RedisBackend, Semaphore};
+use tower_distributed_limit::{Error, RedisBackend, RedisBackendBuilder, Semaphore};
 
 use support::{ROLE, URL, child_role, eventually, signal};
 
@@ -97,6 +144,11 @@ const W_LIMIT: &str = "DLIMIT_SOAK_WORKER_LIMIT";
 const W_LEASE_MS: &str = "DLIMIT_SOAK_WORKER_LEASE_MS";
 const W_ACQUIRE_MS: &str = "DLIMIT_SOAK_WORKER_ACQUIRE_MS";
 const W_CALL_MS: &str = "DLIMIT_SOAK_WORKER_CALL_MS";
+const W_TOPOLOGY: &str = "DLIMIT_SOAK_WORKER_TOPOLOGY";
+/// The `wait_for_replicas` timeout in ms; 0 for none.
+const W_WAIT_MS: &str = "DLIMIT_SOAK_WORKER_WAIT_MS";
+/// The master name the sentinels watch.
+const MASTER: &str = "master0";
 
 /// The two soak tests take turns: each wants the machine to itself.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -111,6 +163,47 @@ async fn soak_client_faults() {
 async fn soak_redis_restarts() {
     let _turn = SERIAL.lock().await;
     soak(Config::from_env(15.0, true)).await;
+}
+
+/// The soak on the topology `DLIMIT_SOAK_TOPOLOGY` names (see the module docs): long, and
+/// with a Sentinel or Cluster of its own, so not part of the normal run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: run by scripts/soak --sentinel / --cluster (DLIMIT_SOAK_TOPOLOGY)"]
+async fn soak_topology() {
+    let _turn = SERIAL.lock().await;
+    let mut config = Config::from_env(30.0, false);
+    config.topology = env_or("DLIMIT_SOAK_TOPOLOGY", Topology::Single);
+    soak(config).await;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Topology {
+    Single,
+    Sentinel,
+    Cluster,
+}
+
+impl FromStr for Topology {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Topology, String> {
+        match text {
+            "single" => Ok(Topology::Single),
+            "sentinel" => Ok(Topology::Sentinel),
+            "cluster" => Ok(Topology::Cluster),
+            other => Err(format!("{other:?}: use single, sentinel or cluster")),
+        }
+    }
+}
+
+impl Topology {
+    fn name(self) -> &'static str {
+        match self {
+            Topology::Single => "single",
+            Topology::Sentinel => "sentinel",
+            Topology::Cluster => "cluster",
+        }
+    }
 }
 
 fn wall_us() -> u64 {
@@ -157,6 +250,12 @@ struct Config {
     call_timeout: Duration,
     seed: u64,
     keep: bool,
+    topology: Topology,
+    /// `wait_for_replicas(1, this)` in every worker.
+    wait: Option<Duration>,
+    /// Sentinel and Cluster faults (not `single`: see `restarts`).
+    redis_faults: bool,
+    redis_fault_every: Duration,
 }
 
 impl Config {
@@ -179,6 +278,13 @@ impl Config {
                 wall_us() ^ u64::from(std::process::id()),
             ),
             keep: env_flag("DLIMIT_SOAK_KEEP", false),
+            topology: Topology::Single,
+            wait: env_flag("DLIMIT_SOAK_WAIT", false).then(|| ms("DLIMIT_SOAK_WAIT_MS", 100)),
+            redis_faults: env_flag(
+                "DLIMIT_SOAK_REDIS_FAULTS",
+                env_flag("DLIMIT_SOAK_FAULTS", true),
+            ),
+            redis_fault_every: ms("DLIMIT_SOAK_REDIS_FAULT_EVERY_MS", 8000),
         }
     }
 }
@@ -221,14 +327,22 @@ async fn child_process() {
 
     // Redis may be down right now (restarting): try again until it answers, or until stopped.
     let call = Duration::from_millis(num(W_CALL_MS));
+    let topology: Topology = var(W_TOPOLOGY).parse().unwrap();
+    let wait = Some(Duration::from_millis(num(W_WAIT_MS))).filter(|wait| !wait.is_zero());
+    let urls: Vec<String> = url.split(',').map(str::to_owned).collect();
     let backend = loop {
-        let connect = RedisBackend::builder(url.as_str())
-            .call_timeout(call)
-            .connect_timeout(call)
-            .connect();
-        match connect.await {
+        match backend_builder(topology, &urls, call, wait).connect().await {
             Ok(backend) => break backend,
-            Err(e) => log.line(&format!("X - {} connect:{}", wall_us(), kind(&e))),
+            Err(e) => {
+                let kind = kind(&e);
+                log.line(&format!("X - {} connect:{kind}", wall_us()));
+                log.first(&format!("connect:{kind}"), &e);
+                // Settings the library refuses will not work on the next try either (the
+                // parent checks them before starting any worker).
+                if matches!(e, Error::Config(_)) {
+                    std::process::exit(3);
+                }
+            }
         }
         let mut stop = stop.clone();
         tokio::select! {
@@ -265,14 +379,55 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await;
 }
 
-fn kind(error: &Error) -> &'static str {
+/// The settings every worker connects with (the parent checks them first).
+fn backend_builder(
+    topology: Topology,
+    urls: &[String],
+    call: Duration,
+    wait: Option<Duration>,
+) -> RedisBackendBuilder {
+    let builder = match topology {
+        Topology::Single => RedisBackend::builder(urls[0].as_str()),
+        Topology::Sentinel => RedisBackend::sentinel_builder(urls, MASTER),
+        Topology::Cluster => RedisBackend::cluster_builder(urls),
+    }
+    .call_timeout(call)
+    .connect_timeout(call);
+    match wait {
+        Some(wait) => builder.wait_for_replicas(1, wait),
+        None => builder,
+    }
+}
+
+fn kind(error: &Error) -> String {
     match error {
-        Error::Timeout { .. } => "timeout",
-        Error::Backend(_) => "backend",
-        Error::TooManyWaiters { .. } => "too_many_waiters",
-        Error::Config(_) => "config",
-        Error::LeaseLost => "lease_lost",
-        _ => "other",
+        Error::Timeout { .. } => "timeout".into(),
+        Error::Backend(_) => format!("backend:{}", backend_kind(&error.to_string())),
+        Error::TooManyWaiters { .. } => "too_many_waiters".into(),
+        Error::Config(_) => "config".into(),
+        Error::LeaseLost => "lease_lost".into(),
+        _ => "other".into(),
+    }
+}
+
+/// Which backend error, from the library's message (see `redis_error` and `health` in src).
+fn backend_kind(message: &str) -> &'static str {
+    if message.contains("acknowledged") {
+        "wait"
+    } else if message.contains(" is down (") {
+        "down"
+    } else if message.contains("did not answer") {
+        "timeout"
+    } else if message.contains("lost the connection") {
+        "dropped"
+    } else if message.contains("refused the connection") || message.contains("connection refused") {
+        "refused"
+    } else if message.contains("through the sentinels") {
+        "sentinel"
+    } else if message.contains(" rejected `") {
+        "rejected"
+    } else {
+        "other"
     }
 }
 
@@ -310,14 +465,18 @@ async fn task(
                 log.line(&format!("E {id} {end} {}", u8::from(lost)));
                 if rng.bool() {
                     if let Err(e) = permit.release().await {
-                        log.line(&format!("X {id} {} release:{}", wall_us(), kind(&e)));
+                        let kind = kind(&e);
+                        log.line(&format!("X {id} {} release:{kind}", wall_us()));
+                        log.first(&format!("release:{kind}"), &e);
                     }
                 } else {
                     drop(permit);
                 }
             }
             Err(e) => {
-                log.line(&format!("X {id} {} {}", wall_us(), kind(&e)));
+                let kind = kind(&e);
+                log.line(&format!("X {id} {} {kind}", wall_us()));
+                log.first(&kind, &e);
                 tokio::select! {
                     _ = sleep(Duration::from_millis(rng.u64(10..=100))) => {}
                     _ = stopped(&mut stop) => break,
@@ -329,7 +488,7 @@ async fn task(
 
 /// One worker's log: each line one `write(2)` on an append-only file, so it reaches the kernel
 /// at once and survives a SIGKILL.
-struct Log(Mutex<std::fs::File>);
+struct Log(Mutex<std::fs::File>, Mutex<HashSet<String>>);
 
 impl Log {
     fn open(path: &Path) -> Log {
@@ -338,7 +497,20 @@ impl Log {
             .append(true)
             .open(path)
             .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
-        Log(Mutex::new(file))
+        Log(Mutex::new(file), Mutex::new(HashSet::new()))
+    }
+
+    /// An `M` line with the message of the first error of `kind` this process saw.
+    fn first(&self, kind: &str, error: &Error) {
+        let new = self
+            .1
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(kind.to_owned());
+        if new {
+            let message = error.to_string().replace(['\n', '\r'], " ");
+            self.line(&format!("M {kind} {message}"));
+        }
     }
 
     fn line(&self, line: &str) {
@@ -385,6 +557,7 @@ struct RedisProc {
     dir: PathBuf,
     persist: bool,
     url: String,
+    pids: PathBuf,
 }
 
 fn free_port() -> u16 {
@@ -398,7 +571,7 @@ fn free_port() -> u16 {
 }
 
 impl RedisProc {
-    async fn start(dir: &Path, persist: bool) -> RedisProc {
+    async fn start(dir: &Path, persist: bool, pids: &Path) -> RedisProc {
         let port = free_port();
         let mut redis = RedisProc {
             child: None,
@@ -406,6 +579,7 @@ impl RedisProc {
             dir: dir.to_owned(),
             persist,
             url: format!("redis://127.0.0.1:{port}"),
+            pids: pids.to_owned(),
         };
         redis.spawn().await;
         redis
@@ -433,6 +607,7 @@ impl RedisProc {
             .kill_on_drop(true)
             .spawn()
             .expect("start redis-server");
+        register(&self.pids, "redis", child.id());
         self.child = Some(child);
         let url = self.url.clone();
         eventually(
@@ -447,7 +622,64 @@ impl RedisProc {
         if let Some(mut child) = self.child.take() {
             let _ = child.start_kill();
             let _ = timeout(Duration::from_secs(5), child.wait()).await;
+            unregister(&self.pids, "redis");
         }
+    }
+}
+
+/// Writes `<pids>/<label>.pid` (the pid and its start time) for the watchdog.
+fn register(pids: &Path, label: &str, pid: Option<u32>) {
+    let Some(pid) = pid else { return };
+    if let Some(start) = start_time(pid) {
+        let _ = std::fs::write(
+            pids.join(format!("{label}.pid")),
+            format!("{pid} {start}\n"),
+        );
+    }
+}
+
+fn unregister(pids: &Path, label: &str) {
+    let _ = std::fs::remove_file(pids.join(format!("{label}.pid")));
+}
+
+/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`): with the pid, it names
+/// one process, never a later one that got the same pid.
+fn start_time(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(") ")?;
+    rest.split(' ').nth(19).map(str::to_owned)
+}
+
+/// A shell that waits for this test process to die and then SIGKILLs every process still
+/// listed in `pids` (redis-servers, sentinels, workers) whose start time matches: for a test
+/// killed with SIGKILL, whose own cleanup never runs. Killed itself when dropped (the normal
+/// end, or a panic, after everything else was cleaned up).
+struct Watchdog(#[allow(dead_code)] Child);
+
+impl Watchdog {
+    fn start(pids: &Path) -> Watchdog {
+        const SCRIPT: &str = r#"
+parent=$1; dir=$2
+while kill -0 "$parent" 2>/dev/null; do sleep 0.5; done
+for f in "$dir"/*.pid; do
+  [ -e "$f" ] || continue
+  read -r pid start < "$f" || continue
+  now=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f20)
+  if [ -n "$now" ] && [ "$now" = "$start" ]; then kill -9 "$pid" 2>/dev/null; fi
+done
+"#;
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(SCRIPT)
+            .arg("soak-watchdog")
+            .arg(std::process::id().to_string())
+            .arg(pids)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start the watchdog shell");
+        Watchdog(child)
     }
 }
 
@@ -473,6 +705,8 @@ struct Worker {
 struct Fleet<'a> {
     config: &'a Config,
     dir: PathBuf,
+    pids: PathBuf,
+    /// The servers' URLs, comma-separated (the sentinels', or every cluster node's).
     url: String,
     workers: Vec<Worker>,
     /// Workers that exited without being told to (label, status).
@@ -498,12 +732,18 @@ impl Fleet<'_> {
                 self.config.acquire_timeout.as_millis().to_string(),
             )
             .env(W_CALL_MS, self.config.call_timeout.as_millis().to_string())
+            .env(W_TOPOLOGY, self.config.topology.name())
+            .env(
+                W_WAIT_MS,
+                self.config.wait.unwrap_or_default().as_millis().to_string(),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
             .spawn()
             .expect("spawn the test binary as a worker");
+        register(&self.pids, &label, child.id());
         Worker {
             label,
             slot,
@@ -549,6 +789,7 @@ impl Fleet<'_> {
                     let _ = timeout(Duration::from_secs(5), worker.child.wait()).await;
                 }
             }
+            unregister(&self.pids, &worker.label);
         }
     }
 }
@@ -558,17 +799,31 @@ enum FaultKind {
     Freeze,
     Kill,
     RedisRestart,
+    /// Sentinel or Cluster: SIGKILL a master, start it again later.
+    MasterKill,
+    /// Sentinel or Cluster: SIGSTOP a master, SIGCONT later.
+    MasterStop,
+    /// `SENTINEL FAILOVER` / `CLUSTER FAILOVER`.
+    ForcedFailover,
+}
+
+impl FaultKind {
+    fn is_redis(self) -> bool {
+        !matches!(self, FaultKind::Freeze | FaultKind::Kill)
+    }
 }
 
 #[derive(Debug, Clone)]
 struct Fault {
     kind: FaultKind,
-    /// The process it hit (empty for Redis).
+    /// The process it hit (empty for a single Redis; the server's label and port otherwise).
     target: String,
-    /// SIGSTOP / SIGKILL sent.
+    /// SIGSTOP / SIGKILL / the failover command sent.
     at: u64,
-    /// SIGCONT sent / replacement started / Redis answering again.
+    /// SIGCONT sent / replacement started / Redis answering again / the new master named.
     until: u64,
+    /// What the servers did: the master before and after, and when.
+    note: String,
 }
 
 /// Client faults until `end`: freeze or kill a random worker every ~`fault_every`.
@@ -623,6 +878,7 @@ async fn client_faults(
                 target,
                 at,
                 until: wall_us(),
+                note: String::new(),
             });
         } else {
             let (mut old, at) = {
@@ -640,11 +896,13 @@ async fn client_faults(
             // The replacement was started right after the kill, above.
             let until = wall_us();
             let _ = timeout(Duration::from_secs(5), old.child.wait()).await;
+            unregister(&fleet.lock().unwrap().pids, &old.label);
             faults.push(Fault {
                 kind: FaultKind::Kill,
                 target: old.label.clone(),
                 at,
                 until,
+                note: String::new(),
             });
         }
     }
@@ -673,9 +931,959 @@ async fn redis_restarts(
             target: String::new(),
             at,
             until: wall_us(),
+            note: String::new(),
         });
     }
     faults
+}
+
+// ---------------------------------------------------------------------------------------
+// The parent: Sentinel and Cluster topologies and their faults
+// ---------------------------------------------------------------------------------------
+
+/// Sentinel timings: a failover a few seconds after the master stops answering.
+const DOWN_AFTER_MS: u64 = 1000;
+const FAILOVER_TIMEOUT_MS: u64 = 2000;
+/// Cluster: a replica takes over a master that has not answered for this long (plus its
+/// election).
+const NODE_TIMEOUT_MS: u64 = 1000;
+/// How long a fault waits for the servers to name a new master before saying there was none.
+const SWITCH_BOUND: Duration = Duration::from_secs(20);
+
+/// Settings every data node shares: no persistence (a killed node comes back empty), full
+/// syncs over the socket at once.
+const DATA_CONF: &str = "save \"\"\nappendonly no\nrepl-diskless-sync yes\n\
+                         repl-diskless-sync-delay 0\n";
+
+/// A redis-server or sentinel of a topology, started from `<dir>/node.conf` (which the
+/// sentinels may rewrite); SIGKILLed when dropped.
+struct Node {
+    label: String,
+    port: u16,
+    dir: PathBuf,
+    sentinel: bool,
+    pids: PathBuf,
+    child: Option<Child>,
+}
+
+impl Node {
+    fn new(base: &Path, pids: &Path, label: &str, port: u16, sentinel: bool, conf: &str) -> Node {
+        let dir = base.join(label);
+        std::fs::create_dir_all(&dir).expect("create a node directory");
+        let text = format!(
+            "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nlogfile {log}\n{conf}",
+            dir = dir.display(),
+            log = dir.join("redis.log").display(),
+        );
+        std::fs::write(dir.join("node.conf"), text).expect("write a node's config");
+        Node {
+            label: label.to_owned(),
+            port,
+            dir,
+            sentinel,
+            pids: pids.to_owned(),
+            child: None,
+        }
+    }
+
+    /// `label@port`, as the report names servers.
+    fn name(&self) -> String {
+        format!("{}@{}", self.label, self.port)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref()?.id()
+    }
+
+    /// Starts the server from its config file and waits until it answers PING.
+    async fn spawn(&mut self) {
+        let bin = std::env::var("REDISRS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
+        let mut cmd = Command::new(bin);
+        cmd.arg(self.dir.join("node.conf"));
+        if self.sentinel {
+            cmd.arg("--sentinel");
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start redis-server");
+        register(&self.pids, &self.label, child.id());
+        self.child = Some(child);
+        let url = self.url();
+        eventually(
+            Duration::from_secs(10),
+            &format!("{} to answer PING", self.name()),
+            || ping(&url),
+        )
+        .await;
+    }
+
+    async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            let _ = timeout(Duration::from_secs(5), child.wait()).await;
+            unregister(&self.pids, &self.label);
+        }
+    }
+
+    /// How many lines of this server's log contain `text`.
+    fn log_lines(&self, text: &str) -> usize {
+        std::fs::read_to_string(self.dir.join("redis.log"))
+            .map(|log| log.lines().filter(|line| line.contains(text)).count())
+            .unwrap_or(0)
+    }
+}
+
+fn command(args: &[&str]) -> redis::Cmd {
+    let mut cmd = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        cmd.arg(*arg);
+    }
+    cmd
+}
+
+/// One command on a fresh connection to the server on `port`, bounded by 1 s in all.
+async fn query<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> Result<T, String> {
+    let cmd = command(args);
+    let attempt = async {
+        let client =
+            redis::Client::open(format!("redis://127.0.0.1:{port}")).map_err(|e| e.to_string())?;
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| e.to_string())?;
+        cmd.query_async::<T>(&mut conn)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    timeout(Duration::from_secs(1), attempt)
+        .await
+        .unwrap_or_else(|_| Err("no answer within 1 s".into()))
+}
+
+/// `field:value` lines of INFO.
+fn info_field<'a>(info: &'a str, field: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|line| line.trim().strip_prefix(field)?.strip_prefix(':'))
+}
+
+/// A flat `[field, value, ...]` reply (SENTINEL MASTER, an entry of SENTINEL REPLICAS).
+fn pairs(flat: &[String]) -> HashMap<&str, &str> {
+    flat.chunks(2)
+        .filter(|pair| pair.len() == 2)
+        .map(|pair| (pair[0].as_str(), pair[1].as_str()))
+        .collect()
+}
+
+fn distinct_ports(n: usize) -> Vec<u16> {
+    let mut ports = Vec::new();
+    while ports.len() < n {
+        let port = free_port();
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    ports
+}
+
+/// Polls `check` every 50 ms until it gives `Some`, or `deadline` passes.
+async fn poll_until<T, F, Fut>(deadline: Instant, mut check: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    loop {
+        if let Some(found) = check().await {
+            return Some(found);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn ms_since(at: u64) -> f64 {
+    (wall_us().saturating_sub(at)) as f64 / 1000.0
+}
+
+/// A master, two replicas and three sentinels.
+struct SentinelSet {
+    data: Vec<Node>,
+    sentinels: Vec<Node>,
+}
+
+impl SentinelSet {
+    async fn start(dir: &Path, pids: &Path) -> SentinelSet {
+        let ports = distinct_ports(6);
+        let mut data = Vec::new();
+        for (i, &port) in ports[..3].iter().enumerate() {
+            let conf = if i == 0 {
+                DATA_CONF.to_owned()
+            } else {
+                format!("{DATA_CONF}replicaof 127.0.0.1 {}\n", ports[0])
+            };
+            data.push(Node::new(dir, pids, &format!("r{i}"), port, false, &conf));
+        }
+        for node in &mut data {
+            node.spawn().await;
+        }
+        let master = ports[0];
+        eventually(
+            Duration::from_secs(30),
+            "both replicas to be in sync",
+            || async move {
+                let info: String = query(master, &["INFO", "replication"])
+                    .await
+                    .unwrap_or_default();
+                info.lines()
+                    .filter(|line| line.starts_with("slave") && line.contains("state=online"))
+                    .count()
+                    == 2
+            },
+        )
+        .await;
+        let conf = format!(
+            "sentinel monitor {MASTER} 127.0.0.1 {master} 2\n\
+             sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n\
+             sentinel failover-timeout {MASTER} {FAILOVER_TIMEOUT_MS}\n\
+             sentinel parallel-syncs {MASTER} 2\n"
+        );
+        let mut sentinels = Vec::new();
+        for (i, &port) in ports[3..].iter().enumerate() {
+            sentinels.push(Node::new(dir, pids, &format!("s{i}"), port, true, &conf));
+        }
+        for node in &mut sentinels {
+            node.spawn().await;
+        }
+        // A failover needs a quorum that knows the replicas and each other (hello messages
+        // every 2 s).
+        for sentinel in &sentinels {
+            let port = sentinel.port;
+            eventually(
+                Duration::from_secs(30),
+                "the sentinels to know the replicas and each other",
+                || async move {
+                    let flat: Vec<String> = query(port, &["SENTINEL", "MASTER", MASTER])
+                        .await
+                        .unwrap_or_default();
+                    let master = pairs(&flat);
+                    master.get("num-slaves") == Some(&"2")
+                        && master.get("num-other-sentinels") == Some(&"2")
+                },
+            )
+            .await;
+        }
+        SentinelSet { data, sentinels }
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.sentinels.iter().map(Node::url).collect()
+    }
+
+    /// The master's port, as the first sentinel that answers names it.
+    async fn master(&self) -> Option<u16> {
+        for sentinel in &self.sentinels {
+            let addr: Result<Vec<String>, _> = query(
+                sentinel.port,
+                &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER],
+            )
+            .await;
+            if let Ok(addr) = addr
+                && let Some(port) = addr.get(1).and_then(|port| port.parse().ok())
+            {
+                return Some(port);
+            }
+        }
+        None
+    }
+
+    fn node(&self, port: u16) -> Option<usize> {
+        self.data.iter().position(|node| node.port == port)
+    }
+
+    fn name(&self, port: u16) -> String {
+        self.node(port)
+            .map_or_else(|| format!("?@{port}"), |i| self.data[i].name())
+    }
+
+    /// The master's port if the sentinels see it up with no failover going on and at least
+    /// one replica in sync that they could promote; otherwise why not.
+    async fn healthy(&self) -> Result<u16, String> {
+        let sentinel = self.sentinels[0].port;
+        let flat: Vec<String> = query(sentinel, &["SENTINEL", "MASTER", MASTER]).await?;
+        let master = pairs(&flat);
+        let flags = master.get("flags").copied().unwrap_or("?");
+        if flags != "master" {
+            return Err(format!("master flags {flags}"));
+        }
+        let port: u16 = master
+            .get("port")
+            .and_then(|port| port.parse().ok())
+            .ok_or("no master port")?;
+        let role: Vec<redis::Value> = query(port, &["ROLE"]).await?;
+        if !matches!(role.first(), Some(redis::Value::BulkString(role)) if role == b"master") {
+            return Err(format!("{} does not say it is a master", self.name(port)));
+        }
+        let replicas: Vec<Vec<String>> = query(sentinel, &["SENTINEL", "REPLICAS", MASTER]).await?;
+        let good = replicas
+            .iter()
+            .map(|flat| pairs(flat))
+            .filter(|replica| {
+                replica.get("flags") == Some(&"slave")
+                    && replica.get("master-link-status") == Some(&"ok")
+                    && replica.get("master-port") == Some(&port.to_string().as_str())
+            })
+            .count();
+        if good == 0 {
+            return Err("no replica in sync".into());
+        }
+        Ok(port)
+    }
+
+    /// The new master's port and when the sentinels first named it, polling until `deadline`.
+    async fn master_change(&self, from: u16, deadline: Instant) -> Option<(u16, u64)> {
+        poll_until(deadline, || async {
+            self.master()
+                .await
+                .filter(|&port| port != from)
+                .map(|port| (port, wall_us()))
+        })
+        .await
+    }
+
+    /// `+switch-master` lines in the first sentinel's log: every failover it followed.
+    fn failovers_seen(&self) -> usize {
+        self.sentinels[0].log_lines("+switch-master")
+    }
+
+    async fn shutdown(&mut self) {
+        for node in self.sentinels.iter_mut().chain(self.data.iter_mut()) {
+            if let Some(pid) = node.pid() {
+                signal(pid, "CONT");
+            }
+            node.kill().await;
+        }
+    }
+}
+
+/// The sentinels' faults until `end`, in shuffled rounds of the three kinds.
+async fn sentinel_faults(
+    set: &mut SentinelSet,
+    every: Duration,
+    end: Instant,
+    rng: &mut fastrand::Rng,
+) -> Vec<Fault> {
+    let mut faults = Vec::new();
+    let mut bag: Vec<FaultKind> = Vec::new();
+    let mut last = Instant::now();
+    loop {
+        let next = (last + around(rng, every)).max(Instant::now() + Duration::from_secs(1));
+        // Room for the fault to play out before the run ends.
+        if next + Duration::from_secs(5) >= end {
+            break;
+        }
+        sleep_until(next).await;
+        // A fault on a set still recovering from the last one measures nothing new.
+        let wait_from = wall_us();
+        let health = poll_until(Instant::now() + Duration::from_secs(15), || async {
+            set.healthy().await.ok()
+        })
+        .await;
+        let Some(master) = health.or(set.master().await) else {
+            faults.push(Fault {
+                kind: FaultKind::ForcedFailover,
+                target: String::new(),
+                at: wall_us(),
+                until: wall_us(),
+                note: "skipped: no sentinel names a master".into(),
+            });
+            last = Instant::now();
+            continue;
+        };
+        let unhealthy = match health {
+            Some(_) => String::new(),
+            None => format!(
+                " (set not healthy after {:.0} ms: {}; faulted anyway)",
+                ms_since(wait_from),
+                set.healthy().await.err().unwrap_or_default()
+            ),
+        };
+        if bag.is_empty() {
+            bag = vec![
+                FaultKind::MasterKill,
+                FaultKind::MasterStop,
+                FaultKind::ForcedFailover,
+            ];
+            rng.shuffle(&mut bag);
+        }
+        let kind = bag.pop().unwrap();
+        let index = set.node(master).expect("the master is one of ours");
+        let target = set.data[index].name();
+        last = Instant::now();
+        let at = wall_us();
+        let note;
+        let until;
+        match kind {
+            FaultKind::MasterKill => {
+                set.data[index].kill().await;
+                let switch = set
+                    .master_change(master, Instant::now() + SWITCH_BOUND)
+                    .await;
+                let back = Duration::from_millis(rng.u64(3000..=4000));
+                sleep_until(last + back).await;
+                set.data[index].spawn().await;
+                until = wall_us();
+                note = format!(
+                    "SIGKILL master {target}; {}; restarted empty from its config after {:.0} ms",
+                    describe_switch(set, switch, at),
+                    (until - at) as f64 / 1000.0
+                );
+            }
+            FaultKind::MasterStop => {
+                let pid = set.data[index].pid().expect("running");
+                let frozen = Duration::from_millis(rng.u64(3000..=4000));
+                signal(pid, "STOP");
+                let thaw = async {
+                    sleep(frozen).await;
+                    signal(pid, "CONT");
+                    wall_us()
+                };
+                let (thawed, switch) = tokio::join!(
+                    thaw,
+                    set.master_change(master, last + frozen + Duration::from_secs(5))
+                );
+                until = thawed;
+                note = format!(
+                    "SIGSTOP master {target} for {} ms; {}",
+                    frozen.as_millis(),
+                    describe_switch(set, switch, at)
+                );
+            }
+            _ => {
+                let sentinel = set.sentinels[rng.usize(..set.sentinels.len())].port;
+                // INPROG / NOGOODSLAVE while the sentinels settle: ask again for a while.
+                let mut refusals = Vec::new();
+                let give_up = Instant::now() + Duration::from_secs(5);
+                let sent = loop {
+                    match query::<redis::Value>(sentinel, &["SENTINEL", "FAILOVER", MASTER]).await {
+                        Ok(_) => break Some(()),
+                        Err(e) => refusals.push(e),
+                    }
+                    if Instant::now() >= give_up {
+                        break None;
+                    }
+                    sleep(Duration::from_millis(200)).await;
+                };
+                let switch = match sent {
+                    Some(()) => {
+                        set.master_change(master, Instant::now() + SWITCH_BOUND)
+                            .await
+                    }
+                    None => None,
+                };
+                until = wall_us();
+                note = format!(
+                    "SENTINEL FAILOVER {MASTER} to sentinel @{sentinel}{} with {target} master; {}",
+                    if refusals.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            " ({} refusals, last: {})",
+                            refusals.len(),
+                            refusals.last().unwrap()
+                        )
+                    },
+                    describe_switch(set, switch, at)
+                );
+            }
+        }
+        faults.push(Fault {
+            kind,
+            target,
+            at,
+            until,
+            note: note + &unhealthy,
+        });
+    }
+    faults
+}
+
+fn describe_switch(set: &SentinelSet, switch: Option<(u16, u64)>, at: u64) -> String {
+    match switch {
+        Some((port, when)) => format!(
+            "the sentinels named {} after {:.0} ms",
+            set.name(port),
+            when.saturating_sub(at) as f64 / 1000.0
+        ),
+        None => "no new master named".into(),
+    }
+}
+
+/// One line of CLUSTER NODES.
+#[derive(Debug, Clone)]
+struct NodeLine {
+    id: String,
+    port: u16,
+    flags: String,
+    master: String,
+    slots: Vec<(u16, u16)>,
+}
+
+impl NodeLine {
+    fn parse(line: &str) -> Option<NodeLine> {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let addr = fields.get(1)?;
+        let port = addr.split('@').next()?.rsplit(':').next()?.parse().ok()?;
+        let slots = fields
+            .get(8..)
+            .unwrap_or_default()
+            .iter()
+            .filter(|slot| !slot.starts_with('['))
+            .filter_map(|slot| match slot.split_once('-') {
+                Some((from, to)) => Some((from.parse().ok()?, to.parse().ok()?)),
+                None => slot.parse().ok().map(|one| (one, one)),
+            })
+            .collect();
+        Some(NodeLine {
+            id: fields[0].to_owned(),
+            port,
+            flags: fields.get(2)?.to_string(),
+            master: fields.get(3)?.to_string(),
+            slots,
+        })
+    }
+
+    fn is_master(&self) -> bool {
+        self.flags.split(',').any(|flag| flag == "master")
+    }
+
+    /// Flagged failing (`fail`) or suspected (`fail?`), or without an address.
+    fn failing(&self) -> bool {
+        self.flags
+            .split(',')
+            .any(|flag| flag == "fail" || flag == "fail?" || flag == "noaddr")
+    }
+
+    fn owns(&self, slot: u16) -> bool {
+        self.slots
+            .iter()
+            .any(|&(from, to)| (from..=to).contains(&slot))
+    }
+}
+
+/// Three masters and three replicas.
+struct ClusterSet {
+    nodes: Vec<Node>,
+    /// The soak semaphore's slot.
+    slot: u16,
+}
+
+impl ClusterSet {
+    async fn start(dir: &Path, pids: &Path) -> ClusterSet {
+        let ports = distinct_ports(6);
+        let conf = format!(
+            "{DATA_CONF}cluster-enabled yes\ncluster-config-file nodes.conf\n\
+             cluster-node-timeout {NODE_TIMEOUT_MS}\ncluster-replica-validity-factor 0\n"
+        );
+        let mut nodes: Vec<Node> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &port)| Node::new(dir, pids, &format!("c{i}"), port, false, &conf))
+            .collect();
+        for node in &mut nodes {
+            node.spawn().await;
+        }
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for port in &ports {
+            create.arg(format!("127.0.0.1:{port}"));
+        }
+        let output = create
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let output = timeout(Duration::from_secs(60), output)
+            .await
+            .expect("redis-cli --cluster create finishes within 60 s")
+            .expect("run redis-cli (the redis-tools package)");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let key = format!("dlimit:{{{NAME}}}:holders");
+        let slot: i64 = query(ports[0], &["CLUSTER", "KEYSLOT", &key])
+            .await
+            .expect("CLUSTER KEYSLOT");
+        let set = ClusterSet {
+            nodes,
+            slot: slot as u16,
+        };
+        eventually(
+            Duration::from_secs(60),
+            "the cluster to be up with a replica for every master",
+            || async {
+                let mut ok = set.healthy().await.is_ok();
+                for node in &set.nodes {
+                    let info: String = query(node.port, &["CLUSTER", "INFO"])
+                        .await
+                        .unwrap_or_default();
+                    ok &= info_field(&info, "cluster_state") == Some("ok");
+                }
+                ok
+            },
+        )
+        .await;
+        set
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Node::url).collect()
+    }
+
+    fn node(&self, port: u16) -> Option<usize> {
+        self.nodes.iter().position(|node| node.port == port)
+    }
+
+    fn name(&self, port: u16) -> String {
+        self.node(port)
+            .map_or_else(|| format!("?@{port}"), |i| self.nodes[i].name())
+    }
+
+    /// CLUSTER NODES as the first node that answers (other than `avoid`) sees it.
+    async fn view(&self, avoid: Option<u16>) -> Option<Vec<NodeLine>> {
+        for node in self.nodes.iter().filter(|node| Some(node.port) != avoid) {
+            if node.child.is_none() {
+                continue;
+            }
+            if let Ok(text) = query::<String>(node.port, &["CLUSTER", "NODES"]).await {
+                return Some(text.lines().filter_map(NodeLine::parse).collect());
+            }
+        }
+        None
+    }
+
+    /// Three masters with slots, none failing, each with a replica not failing; the port of
+    /// the soak slot's owner.
+    async fn healthy(&self) -> Result<u16, String> {
+        let view = self.view(None).await.ok_or("no node answers")?;
+        let masters: Vec<&NodeLine> = view
+            .iter()
+            .filter(|node| node.is_master() && !node.slots.is_empty())
+            .collect();
+        if masters.len() != 3 {
+            return Err(format!("{} masters with slots", masters.len()));
+        }
+        for master in &masters {
+            if master.failing() {
+                return Err(format!("{} is {}", self.name(master.port), master.flags));
+            }
+            let replicas = view
+                .iter()
+                .filter(|node| node.master == master.id && !node.failing())
+                .count();
+            if replicas == 0 {
+                return Err(format!("{} has no replica", self.name(master.port)));
+            }
+        }
+        masters
+            .iter()
+            .find(|master| master.owns(self.slot))
+            .map(|master| master.port)
+            .ok_or_else(|| format!("nobody owns slot {}", self.slot))
+    }
+
+    /// The port of the new owner of `slot` (no longer `from`) and when a node other than
+    /// `from` first said so, polling until `deadline`.
+    async fn owner_change(&self, slot: u16, from: u16, deadline: Instant) -> Option<(u16, u64)> {
+        poll_until(deadline, || async {
+            let view = self.view(Some(from)).await?;
+            view.iter()
+                .find(|node| node.is_master() && node.owns(slot) && node.port != from)
+                .map(|node| (node.port, wall_us()))
+        })
+        .await
+    }
+
+    /// `Failover election won` lines in the nodes' logs: every promotion of a replica.
+    fn failovers_seen(&self) -> usize {
+        self.nodes
+            .iter()
+            .map(|node| node.log_lines("Failover election won"))
+            .sum()
+    }
+
+    async fn shutdown(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(pid) = node.pid() {
+                signal(pid, "CONT");
+            }
+            node.kill().await;
+        }
+    }
+}
+
+/// The cluster's faults until `end`: shuffled rounds of the three kinds, on the soak slot's
+/// owner two times out of three (shuffled rounds too), another master otherwise.
+async fn cluster_faults(
+    set: &mut ClusterSet,
+    every: Duration,
+    end: Instant,
+    rng: &mut fastrand::Rng,
+) -> Vec<Fault> {
+    let mut faults = Vec::new();
+    let mut kinds: Vec<FaultKind> = Vec::new();
+    let mut owners: Vec<bool> = Vec::new();
+    let mut last = Instant::now();
+    loop {
+        let next = (last + around(rng, every)).max(Instant::now() + Duration::from_secs(1));
+        if next + Duration::from_secs(5) >= end {
+            break;
+        }
+        sleep_until(next).await;
+        let wait_from = wall_us();
+        let health = poll_until(Instant::now() + Duration::from_secs(15), || async {
+            set.healthy().await.ok()
+        })
+        .await;
+        let unhealthy = match health {
+            Some(_) => String::new(),
+            None => format!(
+                " (cluster not healthy after {:.0} ms: {}; faulted anyway)",
+                ms_since(wait_from),
+                set.healthy().await.err().unwrap_or_default()
+            ),
+        };
+        let Some(view) = set.view(None).await else {
+            last = Instant::now();
+            continue;
+        };
+        let masters: Vec<NodeLine> = view
+            .iter()
+            .filter(|node| node.is_master() && !node.slots.is_empty() && !node.failing())
+            .filter(|node| set.node(node.port).is_some())
+            .cloned()
+            .collect();
+        let Some(owner) = masters.iter().find(|node| node.owns(set.slot)).cloned() else {
+            last = Instant::now();
+            continue;
+        };
+        if kinds.is_empty() {
+            kinds = vec![
+                FaultKind::MasterKill,
+                FaultKind::MasterStop,
+                FaultKind::ForcedFailover,
+            ];
+            rng.shuffle(&mut kinds);
+        }
+        if owners.is_empty() {
+            owners = vec![true, true, false];
+            rng.shuffle(&mut owners);
+        }
+        let kind = kinds.pop().unwrap();
+        let others: Vec<&NodeLine> = masters.iter().filter(|m| m.port != owner.port).collect();
+        let target = match owners.pop() {
+            Some(false) if !others.is_empty() => others[rng.usize(..others.len())].clone(),
+            _ => owner.clone(),
+        };
+        let slot = if target.port == owner.port {
+            set.slot
+        } else {
+            target.slots[0].0
+        };
+        let index = set.node(target.port).unwrap();
+        let name = set.nodes[index].name();
+        let role = if target.port == owner.port {
+            format!("the soak slot {}'s master", set.slot)
+        } else {
+            format!("a master of other slots (watching slot {slot})")
+        };
+        last = Instant::now();
+        let at = wall_us();
+        let note;
+        let until;
+        match kind {
+            FaultKind::MasterKill => {
+                set.nodes[index].kill().await;
+                let switch = set
+                    .owner_change(slot, target.port, Instant::now() + SWITCH_BOUND)
+                    .await;
+                let back = Duration::from_millis(rng.u64(3000..=4000));
+                sleep_until(last + back).await;
+                set.nodes[index].spawn().await;
+                until = wall_us();
+                note = format!(
+                    "SIGKILL {name}, {role}; {}; restarted empty after {:.0} ms",
+                    describe_owner(set, switch, at),
+                    (until - at) as f64 / 1000.0
+                );
+            }
+            FaultKind::MasterStop => {
+                let pid = set.nodes[index].pid().expect("running");
+                let frozen = Duration::from_millis(rng.u64(3000..=4000));
+                signal(pid, "STOP");
+                let thaw = async {
+                    sleep(frozen).await;
+                    signal(pid, "CONT");
+                    wall_us()
+                };
+                let (thawed, switch) = tokio::join!(
+                    thaw,
+                    set.owner_change(slot, target.port, last + frozen + Duration::from_secs(5))
+                );
+                until = thawed;
+                note = format!(
+                    "SIGSTOP {name}, {role}, for {} ms; {}",
+                    frozen.as_millis(),
+                    describe_owner(set, switch, at)
+                );
+            }
+            _ => {
+                let replica = view
+                    .iter()
+                    .find(|node| node.master == target.id && !node.failing())
+                    .map(|node| node.port);
+                let (sent, switch) = match replica {
+                    Some(replica) => {
+                        let sent = query::<redis::Value>(replica, &["CLUSTER", "FAILOVER"]).await;
+                        let switch = match &sent {
+                            Ok(_) => {
+                                set.owner_change(slot, target.port, Instant::now() + SWITCH_BOUND)
+                                    .await
+                            }
+                            Err(_) => None,
+                        };
+                        (
+                            match sent {
+                                Ok(_) => format!("CLUSTER FAILOVER to {}", set.name(replica)),
+                                Err(e) => format!(
+                                    "CLUSTER FAILOVER to {} refused: {e}",
+                                    set.name(replica)
+                                ),
+                            },
+                            switch,
+                        )
+                    }
+                    None => ("no replica to send CLUSTER FAILOVER to".to_owned(), None),
+                };
+                until = wall_us();
+                note = format!(
+                    "{sent}, replica of {name}, {role}; {}",
+                    describe_owner(set, switch, at)
+                );
+            }
+        }
+        faults.push(Fault {
+            kind,
+            target: name,
+            at,
+            until,
+            note: note + &unhealthy,
+        });
+    }
+    faults
+}
+
+fn describe_owner(set: &ClusterSet, switch: Option<(u16, u64)>, at: u64) -> String {
+    match switch {
+        Some((port, when)) => format!(
+            "{} took the slots over after {:.0} ms",
+            set.name(port),
+            when.saturating_sub(at) as f64 / 1000.0
+        ),
+        None => "no replica took over".into(),
+    }
+}
+
+/// The servers of the run's topology.
+enum Servers {
+    Single(RedisProc),
+    Sentinel(SentinelSet),
+    Cluster(ClusterSet),
+}
+
+impl Servers {
+    async fn start(config: &Config, dir: &Path, pids: &Path) -> Servers {
+        match config.topology {
+            Topology::Single => Servers::Single(RedisProc::start(dir, config.restarts, pids).await),
+            Topology::Sentinel => Servers::Sentinel(SentinelSet::start(dir, pids).await),
+            Topology::Cluster => Servers::Cluster(ClusterSet::start(dir, pids).await),
+        }
+    }
+
+    fn urls(&self) -> Vec<String> {
+        match self {
+            Servers::Single(redis) => vec![redis.url.clone()],
+            Servers::Sentinel(set) => set.urls(),
+            Servers::Cluster(set) => set.urls(),
+        }
+    }
+
+    /// Redis faults until `end`: restarts (single), failovers (Sentinel, Cluster).
+    async fn faults(
+        &mut self,
+        config: &Config,
+        end: Instant,
+        rng: &mut fastrand::Rng,
+    ) -> Vec<Fault> {
+        match self {
+            Servers::Single(redis) if config.restarts => {
+                redis_restarts(redis, config.restart_every, end, rng).await
+            }
+            Servers::Sentinel(set) if config.redis_faults => {
+                sentinel_faults(set, config.redis_fault_every, end, rng).await
+            }
+            Servers::Cluster(set) if config.redis_faults => {
+                cluster_faults(set, config.redis_fault_every, end, rng).await
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn failovers_seen(&self) -> Option<usize> {
+        match self {
+            Servers::Single(_) => None,
+            Servers::Sentinel(set) => Some(set.failovers_seen()),
+            Servers::Cluster(set) => Some(set.failovers_seen()),
+        }
+    }
+
+    async fn shutdown(&mut self) {
+        match self {
+            Servers::Single(redis) => redis.kill().await,
+            Servers::Sentinel(set) => set.shutdown().await,
+            Servers::Cluster(set) => set.shutdown().await,
+        }
+    }
+}
+
+/// Builds a backend with the workers' settings before any worker starts: settings the library
+/// refuses (`Error::Config`) fail the soak at once, with its message.
+async fn preflight(config: &Config, urls: &[String]) {
+    let builder = backend_builder(config.topology, urls, Duration::from_secs(2), config.wait);
+    match builder.connect().await {
+        Ok(_) => {}
+        Err(e @ Error::Config(_)) => panic!(
+            "soak: the library refused the workers' settings ({} topology, wait_for_replicas \
+             {:?}) with Error::Config: {e}",
+            config.topology.name(),
+            config.wait
+        ),
+        Err(e) => panic!(
+            "soak: cannot connect to the {} servers: {e}",
+            config.topology.name()
+        ),
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -684,11 +1892,18 @@ async fn redis_restarts(
 
 async fn soak(config: Config) {
     let scratch = Scratch::new(config.keep);
-    let mut redis = RedisProc::start(&scratch.path, config.restarts).await;
+    let pids = scratch.path.join("pids");
+    std::fs::create_dir_all(&pids).expect("create the pid directory");
+    // Declared before the servers and workers, so dropped (killed) after them.
+    let _watchdog = Watchdog::start(&pids);
+    let mut servers = Servers::start(&config, &scratch.path, &pids).await;
+    let urls = servers.urls();
+    preflight(&config, &urls).await;
     let fleet = Fleet {
         config: &config,
         dir: scratch.path.clone(),
-        url: redis.url.clone(),
+        pids: pids.clone(),
+        url: urls.join(","),
         workers: Vec::new(),
         unexpected: Vec::new(),
     };
@@ -713,32 +1928,47 @@ async fn soak(config: Config) {
             Vec::new()
         }
     };
-    let server = async {
-        if config.restarts {
-            redis_restarts(&mut redis, config.restart_every, end, &mut redis_rng).await
-        } else {
-            Vec::new()
-        }
-    };
+    let server = servers.faults(&config, end, &mut redis_rng);
     let (mut faults, restarts) = tokio::join!(clients, server);
     sleep_until(end).await;
     faults.extend(restarts);
+    // One timeline: the client faults and the servers' interleaved.
+    faults.sort_by_key(|fault| fault.at);
     let mut fleet = fleet.into_inner().unwrap();
     fleet.check_exits();
     let elapsed = started.elapsed();
     fleet.stop().await;
-    redis.kill().await;
+    let failovers = servers.failovers_seen();
+    servers.shutdown().await;
 
     let report = analyse(&config, &scratch.path, &faults, t0);
     let unexpected = std::mem::take(&mut fleet.unexpected);
     drop(fleet);
 
     let count = |kind| faults.iter().filter(|f| f.kind == kind).count();
+    let topology = format!(
+        "topology {}{}",
+        config.topology.name(),
+        match config.wait {
+            Some(wait) => format!(" with wait_for_replicas(1, {wait:?})"),
+            None => String::new(),
+        }
+    );
+    let failover_faults = match failovers {
+        None => String::new(),
+        Some(seen) => format!(
+            ", {} master kills, {} master stops, {} forced failovers; failovers seen {seen}",
+            count(FaultKind::MasterKill),
+            count(FaultKind::MasterStop),
+            count(FaultKind::ForcedFailover),
+        ),
+    };
     let summary = format!(
-        "soak summary: {:.1} s, {} procs x {} tasks, limit {}, lease {:?} | holds {} ({:.1}/s; \
-         lost at START {}, lost at END {}, no END {}) | faults: {} freezes, {} kills, {} redis \
-         restarts | acquire errors: {} | max concurrent {} | violations {} (worst {}, {:.1} ms \
-         over the limit in all) | duplicate tokens {} | grants older than a lease at START {} | seed {}",
+        "soak summary: {:.1} s, {} procs x {} tasks, limit {}, lease {:?} | {topology} | holds {} \
+         ({:.1}/s; lost at START {}, lost at END {}, no END {}) | faults: {} freezes, {} kills, \
+         {} redis restarts{failover_faults} | acquire errors: {} | max concurrent {} | \
+         violations {} (worst {}, {:.1} ms over the limit in all) | duplicate tokens {} | \
+         grants older than a lease at START {} | seed {}",
         elapsed.as_secs_f64(),
         config.procs,
         config.tasks,
@@ -831,9 +2061,20 @@ struct Report {
     details: String,
 }
 
-fn read_logs(dir: &Path) -> (Vec<Hold>, HashMap<String, usize>, usize) {
+/// The holds, the errors by kind, the first message of each kind, and how many lines did not
+/// parse.
+#[allow(clippy::type_complexity)]
+fn read_logs(
+    dir: &Path,
+) -> (
+    Vec<Hold>,
+    HashMap<String, usize>,
+    HashMap<String, String>,
+    usize,
+) {
     let mut holds = Vec::new();
     let mut errors: HashMap<String, usize> = HashMap::new();
+    let mut samples: HashMap<String, String> = HashMap::new();
     let mut malformed = 0;
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .expect("read the scratch directory")
@@ -886,12 +2127,16 @@ fn read_logs(dir: &Path) -> (Vec<Hold>, HashMap<String, usize>, usize) {
                     }
                 }
                 (Some("X"), 4) => *errors.entry(fields[3].to_owned()).or_default() += 1,
+                (Some("M"), n) if n >= 2 => {
+                    let message = line.splitn(3, ' ').nth(2).unwrap_or("").to_owned();
+                    samples.entry(fields[1].to_owned()).or_insert(message);
+                }
                 _ => malformed += 1,
             }
         }
         holds.extend(open.into_values());
     }
-    (holds, errors, malformed)
+    (holds, errors, samples, malformed)
 }
 
 struct Episode {
@@ -902,7 +2147,7 @@ struct Episode {
 }
 
 fn analyse(config: &Config, dir: &Path, faults: &[Fault], t0: u64) -> Report {
-    let (holds, errors, malformed) = read_logs(dir);
+    let (holds, errors, samples, malformed) = read_logs(dir);
     let limit = config.limit as usize;
 
     // The sweep: ends before starts at the same instant (half-open intervals).
@@ -965,12 +2210,22 @@ fn analyse(config: &Config, dir: &Path, faults: &[Fault], t0: u64) -> Report {
     for fault in faults {
         let _ = writeln!(
             details,
-            "  fault {:?} {} at {:.1} .. {:.1}",
+            "  fault {:?} {} at {:.1} .. {:.1}{}",
             fault.kind,
             fault.target,
             rel(fault.at),
-            rel(fault.until)
+            rel(fault.until),
+            if fault.note.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", fault.note)
+            }
         );
+    }
+    let mut samples: Vec<(String, String)> = samples.into_iter().collect();
+    samples.sort();
+    for (kind, message) in &samples {
+        let _ = writeln!(details, "  first {kind} error: {message}");
     }
     for (n, episode) in episodes.iter().take(5).enumerate() {
         let _ = writeln!(
@@ -1046,7 +2301,7 @@ fn context(hold: &Hold, faults: &[Fault]) -> String {
         faults
             .iter()
             .filter(|f| f.kind == kind && f.at <= hold.start)
-            .filter(|f| kind == FaultKind::RedisRestart || f.target == hold.process)
+            .filter(|f| kind.is_redis() || f.target == hold.process)
             .max_by_key(|f| f.at)
     };
     if let Some(freeze) = last(FaultKind::Freeze) {
@@ -1067,6 +2322,19 @@ fn context(hold: &Hold, faults: &[Fault]) -> String {
             notes,
             "; redis restarted {:.1} ms before START",
             (hold.start - restart.at) as f64 / 1000.0
+        );
+    }
+    let redis = faults
+        .iter()
+        .filter(|f| f.kind.is_redis() && f.kind != FaultKind::RedisRestart && f.at <= hold.start)
+        .max_by_key(|f| f.at);
+    if let Some(fault) = redis {
+        let _ = write!(
+            notes,
+            "; {:?} {} {:.1} ms before START",
+            fault.kind,
+            fault.target,
+            (hold.start - fault.at) as f64 / 1000.0
         );
     }
     notes
