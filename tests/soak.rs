@@ -1807,7 +1807,7 @@ fn describe_owner(set: &ClusterSet, switch: Option<(u16, u64)>, at: u64) -> Stri
 
 /// The servers of the run's topology.
 enum Servers {
-    Single(RedisProc),
+    Single(Box<RedisProc>),
     Sentinel(SentinelSet),
     Cluster(ClusterSet),
 }
@@ -1815,7 +1815,9 @@ enum Servers {
 impl Servers {
     async fn start(config: &Config, dir: &Path, pids: &Path) -> Servers {
         match config.topology {
-            Topology::Single => Servers::Single(RedisProc::start(dir, config.restarts, pids).await),
+            Topology::Single => {
+                Servers::Single(Box::new(RedisProc::start(dir, config.restarts, pids).await))
+            }
             Topology::Sentinel => Servers::Sentinel(SentinelSet::start(dir, pids).await),
             Topology::Cluster => Servers::Cluster(ClusterSet::start(dir, pids).await),
         }
