@@ -43,12 +43,16 @@ impl Sentinels {
         Sentinels { cluster, urls }
     }
 
+    /// A connection to a sentinel that answers (on a loaded machine one may be slow to).
     async fn sentinel(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.urls[0].as_str())
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap()
+        for attempt in 0..30 {
+            let url = &self.urls[attempt % self.urls.len()];
+            let client = redis::Client::open(url.as_str()).unwrap();
+            if let Ok(conn) = client.get_multiplexed_async_connection().await {
+                return conn;
+            }
+        }
+        panic!("no sentinel accepts a connection");
     }
 
     /// The data server (index into the cluster's servers) at `addr` (host, port).

@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 
 use redis::RedisError;
 
+use tokio::sync::Notify;
+
 use crate::Error;
 use crate::sync::lock;
 
@@ -52,6 +54,9 @@ pub(in crate::backend) struct Health {
     /// The longest one probe attempt may take.
     bound: Duration,
     state: Mutex<State>,
+    /// Wakes the probe from its pause: news that the server may answer now (Sentinel named
+    /// a new master).
+    kick: Arc<Notify>,
     #[cfg(feature = "metrics")]
     metrics: Metrics,
 }
@@ -97,9 +102,16 @@ impl Health {
                 probes: 0,
                 never_up: true,
             }),
+            kick: Arc::default(),
             #[cfg(feature = "metrics")]
             metrics,
         }
+    }
+
+    /// What wakes the probe from its pause at once, with its back-off reset: for news that the
+    /// server may answer now.
+    pub(in crate::backend) fn kicker(&self) -> Arc<Notify> {
+        self.kick.clone()
     }
 
     pub(in crate::backend) fn is_up(&self) -> bool {
@@ -295,10 +307,16 @@ impl<T: Reconnect> Drop for ProbeGuard<T> {
 }
 
 async fn run<T: Reconnect>(guard: ProbeGuard<T>, first: Duration) {
+    let Some(kick) = guard.server.upgrade().map(|server| server.health().kicker()) else {
+        return;
+    };
     let mut pause = first;
     loop {
         if !pause.is_zero() {
-            tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64() / 2.0)).await;
+            tokio::select! {
+                _ = tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64() / 2.0)) => {}
+                _ = kick.notified() => pause = Duration::ZERO,
+            }
         }
         pause = (pause * 2).clamp(FIRST_PAUSE, MAX_PAUSE);
         let Some(server) = guard.server.upgrade() else {

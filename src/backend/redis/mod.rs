@@ -340,15 +340,19 @@ impl RedisBackend {
     ///   to the new master, within the call timeout;
     /// - subscriptions move along, waiters check their line and holders renew at once, so a
     ///   grant the new master never received is reported lost, never re-added;
-    /// - a promoted master grants nothing new for one lease plus one second plus the call
-    ///   timeout after it is first used (the *promotion fence*, decided by the server from
-    ///   its replication ids): every grant the old master made that it may lack, or made to a
-    ///   process that had not heard of the failover yet, has ended by then. Holders it knows
-    ///   keep renewing; waiters queue and are served when the fence ends.
+    /// - without [`wait_for_replicas`](RedisBackendBuilder::wait_for_replicas), a promoted
+    ///   master grants nothing new for one lease plus one second plus the call timeout after
+    ///   it is first used (the *promotion fence*, decided by the server from its replication
+    ///   ids): every grant the old master made that it may lack, or made to a process that
+    ///   had not heard of the failover yet, has ended by then. Holders it knows keep renewing;
+    ///   waiters queue and are served when the fence ends.
     ///
-    /// What remains: a process that still reaches the deposed master while its sentinel has
-    /// not learnt of the failover. [`wait_for_replicas`](RedisBackendBuilder::wait_for_replicas)
-    /// closes most of it: a deposed master soon has no replica to acknowledge a grant.
+    /// With `wait_for_replicas` there is no fence: a grant counts once a replica has it, and
+    /// Sentinel promotes the replica that has the most. What remains then is a grant on the
+    /// deposed master by a process that has not heard of the failover yet, acknowledged by a
+    /// replica the sentinels have not moved to the new master yet (a window of about a
+    /// second); asking for as many replicas as there are closes it, at the cost of every
+    /// grant failing while one replica is down.
     ///
     /// # Example
     ///
@@ -649,8 +653,11 @@ impl RedisBackendBuilder {
             Nodes::Sentinel(_, master) => format!("master {master:?} (via the sentinels)"),
         };
         let cluster = matches!(nodes, Nodes::Cluster(_));
-        let promotion_fence =
-            matches!(nodes, Nodes::Sentinel(..)).then_some(connection::CONFIRM + self.call_timeout);
+        // Without WAIT only: with it, a grant counts once a replica has it (and Sentinel
+        // promotes the replica that has the most), and a deposed master soon has no replica
+        // left to acknowledge one.
+        let promotion_fence = (matches!(nodes, Nodes::Sentinel(..)) && self.replicas.is_none())
+            .then_some(connection::CONFIRM + self.call_timeout);
         let target = Target {
             nodes,
             tls,
@@ -667,19 +674,23 @@ impl RedisBackendBuilder {
         let reconnects = Arc::new(watch::Sender::new(0));
         let notify = Arc::downgrade(&hub);
         let ticks = Arc::downgrade(&reconnects);
+        let health = Health::new(label, target.open_bound() + self.call_timeout);
+        let kick = health.kicker();
         let pushes = Arc::new(move |push: PushInfo| {
-            if push.kind == PushKind::Disconnection
-                && let Some(ticks) = ticks.upgrade()
-            {
-                ticks.send_modify(|n| *n += 1);
+            if push.kind == PushKind::Disconnection {
+                if let Some(ticks) = ticks.upgrade() {
+                    ticks.send_modify(|n| *n += 1);
+                }
+                // A new connection (Sentinel named a new master): a probe waiting out its
+                // back-off tries at once.
+                kick.notify_one();
             }
             on_push(&notify, push);
         });
-        let bound = target.open_bound() + self.call_timeout;
         Ok(RedisBackend {
             shared: Arc::new(Connection {
                 conn: OnceLock::new(),
-                health: Health::new(label, bound),
+                health,
                 target,
                 pushes,
                 requests: Mutex::new(Some(requests)),
