@@ -14,7 +14,7 @@ use tower_distributed_limit::{Error, QuorumBackend, Semaphore, SemaphoreBuilder}
 
 use support::{Redis, child_role, child_says, long_lived, signal, spawn_child_with};
 
-/// One second leases: a fresh node abstains for its first lease, and tests stay short.
+/// One second leases: a node restarted empty abstains for a lease, and tests stay short.
 fn semaphore(name: &str, limit: u32) -> SemaphoreBuilder {
     Semaphore::builder(name)
         .limit(limit)
@@ -44,7 +44,7 @@ async fn three_nodes() -> (Vec<Redis>, Vec<String>) {
 async fn the_semaphore_api_works_on_a_quorum() {
     let (_nodes, urls) = three_nodes().await;
     let sem = semaphore("api", 3).build(quorum(&urls).await).unwrap();
-    // A fresh node abstains for one lease: the first grant waits for it.
+    // Three fresh nodes are a cold start: the first grant comes at once.
     let two = sem.acquire_many(2).await.unwrap();
     assert_eq!(two.weight(), 2);
     assert_eq!(sem.available_permits().await.unwrap(), 1);
@@ -234,7 +234,7 @@ async fn killed_restarted_empty_and_paused_nodes_never_break_the_limit() {
 async fn two_nodes_down_is_a_backend_failure_within_the_timeout() {
     let (mut nodes, urls) = three_nodes().await;
     let sem = semaphore("down", 2).build(quorum(&urls).await).unwrap();
-    drop(sem.acquire().await.unwrap()); // past the fresh nodes' first lease
+    drop(sem.acquire().await.unwrap()); // a cold start: every node took part
     nodes[0].kill();
     nodes[1].kill();
     let started = Instant::now();
@@ -337,4 +337,183 @@ async fn the_naive_majority_design_exceeds_the_limit_and_slots_do_not() {
         2,
         "the slot design never admits more than the limit"
     );
+}
+
+/// How many slots of semaphore `name` node `node` holds (default key prefix).
+async fn owned_on(node: &Redis, name: &str) -> u64 {
+    redis::cmd("ZCARD")
+        .arg(format!("dlimit:quorum:{name}:owned"))
+        .query_async(&mut node.conn().await)
+        .await
+        .unwrap()
+}
+
+/// The node's clock, in ms.
+async fn clock_ms(node: &Redis) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME")
+        .query_async(&mut node.conn().await)
+        .await
+        .unwrap();
+    secs * 1000 + micros / 1000
+}
+
+/// When the node's data began (its `born`, ms on its clock).
+async fn born_on(node: &Redis) -> u64 {
+    redis::cmd("GET")
+        .arg("dlimit:quorum:born")
+        .query_async(&mut node.conn().await)
+        .await
+        .unwrap()
+}
+
+/// Waits until `node`'s clock reads `ms`.
+async fn until_clock(node: &Redis, ms: u64) {
+    let now = clock_ms(node).await;
+    tokio::time::sleep(Duration::from_millis(ms.saturating_sub(now))).await;
+}
+
+/// Three new nodes are a cold start, not three restarts (issue 21): with a 30 s lease the first
+/// permit comes at once instead of a lease later, and the limit holds from the first grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_nodes_are_a_cold_start_and_grant_at_once() {
+    let (_nodes, urls) = three_nodes().await;
+    let sem = semaphore("cold", 2)
+        .lease(Duration::from_secs(30))
+        .acquire_timeout(Duration::from_secs(5))
+        .build(quorum(&urls).await)
+        .unwrap();
+    let started = Instant::now();
+    let first = sem.acquire().await.unwrap();
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(500),
+        "the first grant took {took:?}"
+    );
+    let second = sem
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("a second slot is free");
+    assert!(sem.try_acquire().await.unwrap().is_none(), "limit 2");
+    drop((first, second));
+}
+
+/// A node restarted empty while the two others are healthy abstains for a lease, even within
+/// the nodes' first lease (all three younger than a lease): the two others took part in the
+/// cold start, so only one abstains, which is no cold start. Meanwhile the limit holds, and a
+/// refusal that the abstention causes says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_empty_while_two_are_healthy_abstains_for_a_lease() {
+    let (mut nodes, urls) = three_nodes().await;
+    let lease = Duration::from_secs(2);
+    let sem = semaphore("restart", 1)
+        .lease(lease)
+        .build(quorum(&urls).await)
+        .unwrap();
+    let started = Instant::now();
+    sem.acquire().await.unwrap().release().await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "a cold start"
+    );
+
+    // A holder that reaches nodes 0 and 1 only (a closed port in place of node 2): only they
+    // know its slot.
+    let closed = format!("redis://127.0.0.1:{}", support::free_port());
+    let partial = semaphore("restart", 1)
+        .lease(lease)
+        .build(quorum(&[urls[0].clone(), urls[1].clone(), closed]).await)
+        .unwrap();
+    let mut held = partial.acquire().await.unwrap();
+    assert_eq!(owned_on(&nodes[2], "restart").await, 0);
+
+    // Node 0 forgets it. Taking the slot on nodes 0 and 2 would make two holders.
+    nodes[0].kill();
+    nodes[0].restart().await;
+    let sem = semaphore("restart", 1)
+        .lease(lease)
+        .build(quorum(&urls).await)
+        .unwrap();
+    match sem.try_acquire().await {
+        Err(Error::Backend(e)) => {
+            let text = e.to_string();
+            assert!(text.contains("abstain"), "{text}");
+            assert!(!text.contains("raise the semaphore's limit"), "{text}");
+        }
+        Ok(Some(_)) => panic!("two holders on a limit of 1"),
+        other => panic!("expected the abstention to be reported, got {other:?}"),
+    }
+    assert_eq!(owned_on(&nodes[0], "restart").await, 0);
+    let born = born_on(&nodes[0]).await;
+
+    // Once the holder is gone, nodes 1 and 2 grant; node 0 takes no part for a lease.
+    held.release().await.unwrap();
+    let lease_ms = lease.as_millis() as u64;
+    let mut permit = sem.acquire().await.unwrap();
+    assert_eq!(owned_on(&nodes[0], "restart").await, 0);
+    permit.release().await.unwrap();
+    until_clock(&nodes[0], born + lease_ms - 300).await;
+    let mut permit = sem.acquire().await.unwrap();
+    assert_eq!(
+        owned_on(&nodes[0], "restart").await,
+        0,
+        "node 0 abstains for a whole lease"
+    );
+    permit.release().await.unwrap();
+
+    // A lease after its first take, node 0 takes part again.
+    until_clock(&nodes[0], born + lease_ms).await;
+    let _permit = sem.acquire().await.unwrap();
+    support::eventually(Duration::from_secs(2), "node 0 to take part", || async {
+        owned_on(&nodes[0], "restart").await == 1
+    })
+    .await;
+}
+
+/// One node down and one restarted empty leave one node that may grant: the abstention
+/// blocks every grant for a lease. That is reported as what it is (which node abstains, for
+/// how long), never as a full semaphore, and a wait that outlasts it gets the permit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abstention_that_blocks_a_grant_is_reported_as_such() {
+    let (mut nodes, urls) = three_nodes().await;
+    long_lived(&nodes).await;
+    nodes[2].kill();
+    nodes[1].kill();
+    nodes[1].restart().await;
+    let lease = Duration::from_secs(2);
+    let sem = semaphore("blocked", 2)
+        .lease(lease)
+        .acquire_timeout(Duration::from_millis(300))
+        .build(quorum(&urls).await)
+        .unwrap();
+    let restarted = urls[1].trim_start_matches("redis://");
+    let reported = |error: Error| {
+        let text = error.to_string();
+        assert!(matches!(error, Error::Backend(_)), "{error:?}");
+        assert!(text.contains("abstain"), "{text}");
+        assert!(text.contains("restart"), "{text}");
+        assert!(text.contains(restarted), "names the node: {text}");
+        assert!(text.contains("for another"), "says until when: {text}");
+        assert!(!text.contains("raise the semaphore's limit"), "{text}");
+    };
+    reported(sem.try_acquire().await.expect_err("no majority may grant"));
+    let started = Instant::now();
+    reported(sem.acquire().await.expect_err("no majority may grant"));
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "an abstention longer than the acquire timeout is reported at once: {:?}",
+        started.elapsed()
+    );
+    assert!(sem.outage_decisions() >= 2);
+
+    // A wait that outlasts the abstention gets the permit when it ends.
+    let born = born_on(&nodes[1]).await;
+    let patient = semaphore("blocked", 2)
+        .lease(lease)
+        .acquire_timeout(Duration::from_secs(5))
+        .build(quorum(&urls).await)
+        .unwrap();
+    let _permit = patient.acquire().await.unwrap();
+    assert!(clock_ms(&nodes[1]).await >= born + lease.as_millis() as u64);
+    assert_eq!(owned_on(&nodes[1], "blocked").await, 1);
 }

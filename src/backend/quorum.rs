@@ -24,9 +24,32 @@
 //!   them go, if the nodes' clocks drift within the configured factor.
 //! - **A node that restarted empty** forgot the slots it had granted. Each node records when
 //!   its data began (`born`, set once and never expiring) and abstains from granting for one
-//!   lease after that: the slots it forgot expire within a lease everywhere else. (It cannot
-//!   tell a first start from a restart, so a fresh node also abstains for its first lease.)
-//!   Every process must use the same lease for a semaphore.
+//!   lease after that: the slots it forgot expire within a lease everywhere else. Every
+//!   process must use the same lease for a semaphore.
+//! - **A cold start.** A node cannot tell a first start from a restart, but a take reaches
+//!   the whole quorum: when the nodes abstaining from one take are a majority of *all* the
+//!   nodes, the client asks every node that did not take again, as a cold start
+//!   (`take_cold`). Each records that it took part (`opened`, for this semaphore, until its
+//!   data is a lease old), stops abstaining and takes: three new nodes grant the first permit
+//!   at once, not a lease later. Why this is sound: call a node *fresh* while its data is
+//!   younger than a lease and it took part in no cold start, i.e. it restarted empty or is
+//!   new. A node that is not fresh remembers every grant it took part in that may still be
+//!   held (a cold start forgets only what came before it). The limit is promised while a
+//!   majority of the nodes is healthy, and a fresh node is not healthy yet (it may lack slots
+//!   granted before its data began): fresh nodes are then a minority, so no take ever sees a
+//!   majority abstain, and every fresh node abstains for its lease, as before. A majority of
+//!   fresh nodes is a first start (nothing was granted) or a majority that lost its data at
+//!   once, which the promise does not cover; rather than refuse every grant for a lease (what
+//!   made a first start refuse), the semaphore then serves at once, and can exceed the limit
+//!   only if slots granted before the loss are still held, for at most one lease. Counting *fresh* nodes, not young ones, matters: the
+//!   nodes of a cold start are all younger than a lease for a lease, and one of them
+//!   restarting then must still abstain alone (`tests/quorum.rs` checks it).
+//! - **An abstention that blocks a grant** (the nodes that took and the ones abstaining would
+//!   have been a majority; with a node down and one restarted, say) is not a full semaphore,
+//!   and is not reported as one: `try_acquire` fails with [`Error::Backend`], naming the
+//!   abstaining nodes and for how much longer they abstain; `acquire` waits for them if they
+//!   take part again within its acquire timeout, and otherwise fails the same way at once.
+//!   The semaphore's `OutagePolicy` decides, as when too few nodes answer.
 //! - **A paused or unreachable node** answers late or not at all; it is counted out, and a
 //!   grant needs a majority of the others. Fewer than a majority reachable is a backend failure,
 //!   decided by the semaphore's `OutagePolicy`.
@@ -47,7 +70,7 @@
 //! There is no line across nodes and no FIFO order: a waiter tries again when a node announces
 //! that it freed a slot (pub/sub on every node), or when the earliest lease may end, or after
 //! a jittered pause. Every try is bounded and costs three round trips (read, take, seal), in
-//! parallel on the nodes.
+//! parallel on the nodes; a cold start costs a fourth (the second take).
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
@@ -396,6 +419,7 @@ impl Open for QuorumBackend {
                     format!("{base}:counter"),
                     format!("{}quorum:born", self.prefix),
                     format!("{base}:limit"),
+                    format!("{base}:opened"),
                 ],
                 channel,
                 limit,
@@ -409,7 +433,7 @@ impl Open for QuorumBackend {
 struct QuorumSemaphore {
     shared: Arc<Nodes>,
     me: Weak<QuorumSemaphore>,
-    keys: [String; 5],
+    keys: [String; 6],
     channel: String,
     limit: u32,
     /// The slots of each member this process holds (or is taking).
@@ -428,12 +452,18 @@ impl QuorumSemaphore {
     /// was late. Once a majority has answered, the others get [`GRACE`] more: a dead or paused
     /// node costs a try that much, not a call timeout.
     async fn on_all(&self, op: &str, args: &[String]) -> Answers {
+        self.on_nodes(op, args, |_| true).await
+    }
+
+    /// [`on_all`](Self::on_all), on the nodes whose index `pick` chooses (`None` from the
+    /// others).
+    async fn on_nodes(&self, op: &str, args: &[String], pick: impl Fn(usize) -> bool) -> Answers {
         let mut calls: FuturesUnordered<_> = self
             .shared
             .nodes
             .iter()
             .enumerate()
-            .filter(|(_, node)| health::gate(node).is_ok())
+            .filter(|&(index, node)| pick(index) && health::gate(node).is_ok())
             .map(|(index, node)| {
                 let node = node.clone();
                 let mut invocation = SCRIPT.prepare_invoke();
@@ -511,15 +541,14 @@ impl QuorumSemaphore {
         )
     }
 
-    /// One try at `member`'s slots: the token and the time the grant may be believed, or
-    /// `None` when no set of slots is free on a majority (with a hint of when to try again).
-    async fn attempt(&self, member: &Member) -> Result<Result<(u64, Duration), Duration>, Error> {
+    /// One try at `member`'s slots.
+    async fn attempt(&self, member: &Member) -> Result<Try, Error> {
         let lease = member.lease;
         let started = Instant::now();
         let (mut candidates, retry_in) = self.free_slots().await?;
         let weight = member.weight as usize;
         if candidates.len() < weight {
-            return Ok(Err(retry_in));
+            return Ok(Try::Busy(retry_in));
         }
         fastrand::shuffle(&mut candidates);
         candidates.truncate(weight);
@@ -528,42 +557,83 @@ impl QuorumSemaphore {
         let slots: Vec<String> = candidates.iter().map(u32::to_string).collect();
         let mut args = vec![member.text.to_string(), lease.as_millis().to_string()];
         args.extend(slots.iter().cloned());
-        let taken = self.on_all("take", &args).await;
-        let mut token = 0i64;
-        let mut winners = Vec::new();
-        for (node, answer) in taken.iter().enumerate() {
-            if let Some(values) = answer.as_ref().and_then(integers)
-                && values.first() == Some(&1)
-            {
-                winners.push(node);
-                token = token.max(values[1..].iter().copied().max().unwrap_or(0));
-            }
+        let mut takes = Takes::default();
+        takes.count(&self.on_all("take", &args).await);
+        if takes.winners.len() < self.majority() && takes.abstaining.len() >= self.majority() {
+            // A majority of all the nodes abstain: a cold start (see the module docs). Every
+            // node that did not take is asked again, so that every live one takes part.
+            let winners = takes.winners.clone();
+            let again = self
+                .on_nodes("take_cold", &args, |node| !winners.contains(&node))
+                .await;
+            takes.abstaining.clear();
+            takes.count(&again);
         }
         let valid = self.validity(lease, started);
-        if winners.len() < self.majority() || valid.is_none() {
+        if takes.winners.len() < self.majority() || valid.is_none() {
             self.give_back(member).await;
-            return Ok(Err(
-                retry_in.min(Duration::from_millis(50 + fastrand::u64(..100)))
+            if valid.is_some() && takes.winners.len() + takes.abstaining.len() >= self.majority() {
+                return Ok(self.blocked(&takes));
+            }
+            return Ok(Try::Busy(
+                retry_in.min(Duration::from_millis(50 + fastrand::u64(..100))),
             ));
         }
         // Seal the token on the nodes that granted it, so every later owner of these slots
         // gets a larger one.
+        let token = takes.token;
         let mut args = vec![member.text.to_string(), token.to_string()];
         args.extend(slots);
         let sealed = self.on_all("seal", &args).await;
-        let sealed_winners = winners
-            .iter()
+        let sealed_winners = (takes.winners.iter())
             .filter(|&&node| sealed[node].as_ref().and_then(integer) == Some(member.weight as i64))
             .count();
         match self.validity(lease, started) {
             Some(valid) if sealed_winners >= self.majority() => {
-                Ok(Ok((u64::try_from(token).unwrap_or(0), valid)))
+                Ok(Try::Granted(u64::try_from(token).unwrap_or(0), valid))
             }
             _ => {
                 self.give_back(member).await;
-                Ok(Err(retry_in))
+                Ok(Try::Busy(retry_in))
             }
         }
+    }
+
+    /// The grant that abstaining nodes blocked: when enough of them take part again for a
+    /// majority, and the error that says so, naming them.
+    fn blocked(&self, takes: &Takes) -> Try {
+        let nodes = &self.shared.nodes;
+        let mut abstaining = takes.abstaining.clone();
+        abstaining.sort_unstable_by_key(|&(_, left)| left);
+        let needed = self.majority() - takes.winners.len();
+        let ends_in = abstaining[needed - 1].1 + Duration::from_millis(1);
+        let which: Vec<String> = (abstaining.iter())
+            .map(|&(node, left)| format!("{} (for another {left:.1?})", nodes[node].health.label()))
+            .collect();
+        let silent: Vec<&str> = (0..nodes.len())
+            .filter(|node| !takes.answered.contains(node))
+            .map(|node| nodes[node].health.label())
+            .collect();
+        let silent = match silent.len() {
+            0 => String::new(),
+            _ => format!("; {} did not answer", silent.join(", ")),
+        };
+        let error = Error::backend(
+            format!(
+                "only {} of {} quorum nodes may grant now and a majority ({}) is needed: {} \
+                 abstain{} after a restart (a node whose data is younger than a lease may have \
+                 forgotten slots it granted, so it takes part again once its data is a lease \
+                 old){silent}. This is not a full semaphore: wait for the restarted nodes, or \
+                 bring the other nodes back",
+                takes.winners.len(),
+                nodes.len(),
+                self.majority(),
+                which.join(", "),
+                if abstaining.len() == 1 { "s" } else { "" },
+            ),
+            None,
+        );
+        Try::Blocked { ends_in, error }
     }
 
     /// The slots free on a majority of the nodes, and when the earliest lease may end.
@@ -617,6 +687,54 @@ impl QuorumSemaphore {
     }
 }
 
+/// How one try went.
+enum Try {
+    /// The token, and how long the grant may be believed.
+    Granted(u64, Duration),
+    /// No set of slots is free on a majority now (or the try was too slow): try again in.
+    Busy(Duration),
+    /// Nodes abstaining after a restart kept the grant from a majority; enough of them take
+    /// part again in `ends_in`. Not a full semaphore: `error` says what it is.
+    Blocked { ends_in: Duration, error: Error },
+}
+
+/// The answers to `take` (and `take_cold`), by node.
+#[derive(Default)]
+struct Takes {
+    /// The nodes that took every slot.
+    winners: Vec<usize>,
+    /// The nodes that abstain, and for how much longer.
+    abstaining: Vec<(usize, Duration)>,
+    /// The nodes that answered at all.
+    answered: Vec<usize>,
+    /// The largest counter among the winners.
+    token: i64,
+}
+
+impl Takes {
+    fn count(&mut self, answers: &Answers) {
+        for (node, answer) in answers.iter().enumerate() {
+            let Some(values) = answer.as_ref().and_then(integers) else {
+                continue;
+            };
+            if !self.answered.contains(&node) {
+                self.answered.push(node);
+            }
+            match values.split_first() {
+                Some((1, counters)) => {
+                    self.winners.push(node);
+                    self.token = self.token.max(counters.iter().copied().max().unwrap_or(0));
+                }
+                Some((2, [left, ..])) => {
+                    let left = Duration::from_millis(left.max(&0).unsigned_abs());
+                    self.abstaining.push((node, left));
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
 fn integers(value: &Value) -> Option<Vec<i64>> {
     match value {
         Value::Array(items) => items.iter().map(integer).collect(),
@@ -636,23 +754,31 @@ impl Store for QuorumSemaphore {
         &'a self,
         member: &'a Member,
         mode: Mode,
-        _until: Option<Instant>,
+        until: Option<Instant>,
         // Never given: this store combines with no rate limiter (`Store::combines`).
         _rate: Option<&'a Rated>,
     ) -> BoxFuture<'a, Result<Attempt, Error>> {
         Box::pin(async move {
             let sent = Instant::now();
+            // No grant is ever announced with a server time: any reading will do.
+            let clock = ClockReading {
+                local: sent,
+                server_us: 0,
+            };
             match self.attempt(member).await? {
-                Ok((token, remaining)) => Ok(Attempt::Granted { token, remaining }),
-                Err(_) if mode == Mode::Once => Ok(Attempt::Full),
-                Err(retry_in) => Ok(Attempt::Queued {
-                    retry_in,
-                    // No grant is ever announced with a server time: any reading will do.
-                    clock: ClockReading {
-                        local: sent,
-                        server_us: 0,
-                    },
-                }),
+                Try::Granted(token, remaining) => Ok(Attempt::Granted { token, remaining }),
+                // An abstention that ends within the wait is waited for; any other is reported.
+                Try::Blocked { ends_in, error } => match until {
+                    Some(until) if mode != Mode::Once && Instant::now() + ends_in < until => {
+                        Ok(Attempt::Queued {
+                            retry_in: ends_in,
+                            clock,
+                        })
+                    }
+                    _ => Err(error),
+                },
+                Try::Busy(_) if mode == Mode::Once => Ok(Attempt::Full),
+                Try::Busy(retry_in) => Ok(Attempt::Queued { retry_in, clock }),
             }
         })
     }

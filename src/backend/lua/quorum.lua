@@ -8,11 +8,14 @@
 -- KEYS[3] counter: hash, slot -> last fencing value given out for the slot on this node
 -- KEYS[4] born:    string, when this node's data began (ms); see `take`
 -- KEYS[5] limit:   string, the limit set by an operator (`set_limit`), else the caller's
+-- KEYS[6] opened:  string, this node's `born` if it took part in a cold start of this
+--                  semaphore (see `take_cold`); expires when the data is a lease old
 --
 -- ARGV: operation, channel, limit, then:
 --   free                          -> {earliest deadline in ms from now or 0, free slot...}
 --   take <member> <lease ms> <slot>...
 --        -> {1, counter...} (took every slot) | {0} (one was taken) | {2, ms} (abstaining)
+--   take_cold <member> <lease ms> <slot>...   -> as `take`, never abstaining (a cold start)
 --   seal <member> <value> <slot>...   -> how many of the member's slots now count >= value
 --   renew <member> <lease ms> <slot>... -> how many of the member's slots were extended
 --   release <member> <slot>...        -> how many were released (announced on the channel)
@@ -23,8 +26,13 @@
 --
 -- `born` is set the first time this node serves any semaphore and never expires. A node
 -- whose data is younger than a lease abstains from `take`: it cannot tell a first start from
--- a restart that forgot the slots it had granted, and those grants end within a lease.
+-- a restart that forgot the slots it had granted, and those grants end within a lease. The
+-- client can tell: when a majority of all the nodes abstain from one take, it is a cold start
+-- (or a failure beyond what a quorum survives), and the client sends them `take_cold`. A node
+-- that took part in a cold start records it (`opened`) and no longer abstains: it remembers
+-- every grant since, so a node restarted later is alone in abstaining (QuorumBackend docs).
 local owned, owner, counter, born_key, limit_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local opened = KEYS[6]
 local op, channel = ARGV[1], ARGV[2]
 local limit = tonumber(redis.call('GET', limit_key)) or tonumber(ARGV[3])
 
@@ -76,15 +84,20 @@ if op == 'free' then
     end
   end
   return reply
-elseif op == 'take' then
+elseif op == 'take' or op == 'take_cold' then
   local member, lease = ARGV[4], tonumber(ARGV[5])
   local born = tonumber(redis.call('GET', born_key))
   if not born then
     born = now
     redis.call('SET', born_key, int(now))
   end
-  if now - born < lease then
-    return {2, born + lease - now}
+  -- `opened` holds the `born` it was set under: an older one (`born` evicted) does not count.
+  if now - born < lease and redis.call('GET', opened) ~= int(born) then
+    if op ~= 'take_cold' then
+      return {2, born + lease - now}
+    end
+    redis.call('SET', opened, int(born))
+    redis.call('PEXPIREAT', opened, int(born + lease))
   end
   for i = 6, #ARGV do
     if redis.call('ZSCORE', owned, ARGV[i]) then
