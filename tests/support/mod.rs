@@ -102,8 +102,9 @@ impl Redis {
     }
 }
 
-/// Marks every quorum node as up for longer than any lease (a fresh node abstains for one), for
-/// the tests that are not about that.
+/// Marks every quorum node as up for longer than any lease, as if they had served for long (a
+/// node restarted among healthy ones abstains for a lease), for the tests that are not about
+/// that.
 pub async fn long_lived(nodes: &[Redis]) {
     for node in nodes {
         redis::cmd("SET")
