@@ -44,6 +44,7 @@ pub(crate) fn check_name_len(what: &str, name: &str) -> Result<(), Error> {
 }
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_MAX_WAITERS: usize = 10_000;
+const DEFAULT_CLAIM_WINDOW: Duration = Duration::from_millis(250);
 /// The longest lease: leases travel to Redis as 32-bit milliseconds (about 49 days).
 const MAX_LEASE: Duration = Duration::from_millis(u32::MAX as u64);
 
@@ -103,6 +104,7 @@ struct Settings {
     acquire_timeout: Duration,
     max_waiters: usize,
     outage: OutagePolicy,
+    claim: Duration,
 }
 
 impl std::fmt::Debug for Semaphore {
@@ -137,6 +139,7 @@ pub struct SemaphoreBuilder {
     acquire_timeout: Duration,
     max_waiters: usize,
     outage: OutagePolicy,
+    claim: Duration,
     /// The `semaphore` label of its metrics, when it is not the name (a partition set's name).
     label: Option<String>,
 }
@@ -162,6 +165,30 @@ impl SemaphoreBuilder {
         self
     }
 
+    /// How long a permit granted to a waiter from the line stays provisional (default 250 ms,
+    /// at least 1 ms; never more than half the lease): its process claims it with its next
+    /// call (a renewal, a touch) for the full lease. A process frozen or killed while it waits
+    /// strands a slot for this long, after which the slot goes to the next in line and the
+    /// silent process's other waiters are passed over until it is heard from again. Raise it
+    /// when processes may be slower than this to answer (a heavily loaded host).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_distributed_limit::{MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("exports")
+    ///     .limit(4)
+    ///     .claim_window(Duration::from_millis(500))
+    ///     .build(MemoryBackend::new())?;
+    /// # let _ = sem; Ok::<(), tower_distributed_limit::Error>(())
+    /// ```
+    pub fn claim_window(mut self, window: Duration) -> Self {
+        self.claim = window;
+        self
+    }
+
     /// How many callers of this process may wait for a permit at once (default 10 000); one
     /// more gets [`Error::TooManyWaiters`] at once, so a stalled backend or a burst cannot pile
     /// up tasks without bound.
@@ -181,8 +208,8 @@ impl SemaphoreBuilder {
     ///
     /// Fails with [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`] bytes, a
     /// missing or zero limit, a lease under
-    /// 1 ms or over 49 days, a zero acquire timeout or `max_waiters`, or a local outage limit
-    /// of 0.
+    /// 1 ms or over 49 days, a claim window under 1 ms, a zero acquire timeout or
+    /// `max_waiters`, or a local outage limit of 0.
     pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
         if self.name.is_empty() {
             return Err(Error::config(
@@ -209,6 +236,13 @@ impl SemaphoreBuilder {
             return Err(Error::config(format!(
                 "semaphore {:?}: lease {:?} is outside 1 ms ..= 49 days",
                 self.name, self.lease
+            )));
+        }
+        if self.claim < Duration::from_millis(1) {
+            return Err(Error::config(format!(
+                "semaphore {:?}: claim_window {:?} is under 1 ms; no process could claim a \
+                 permit from the line in time",
+                self.name, self.claim
             )));
         }
         if self.max_waiters == 0 {
@@ -241,6 +275,7 @@ impl SemaphoreBuilder {
                     acquire_timeout: self.acquire_timeout,
                     max_waiters: self.max_waiters,
                     outage: OutagePolicy::FailClosed,
+                    claim: self.claim,
                 };
                 Some(Semaphore::open(
                     settings,
@@ -258,6 +293,7 @@ impl SemaphoreBuilder {
             acquire_timeout: self.acquire_timeout,
             max_waiters: self.max_waiters,
             outage: self.outage,
+            claim: self.claim,
         };
         Ok(Semaphore::open(settings, &backend, fallback, false))
     }
@@ -289,6 +325,7 @@ impl Semaphore {
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             max_waiters: DEFAULT_MAX_WAITERS,
             outage: OutagePolicy::FailClosed,
+            claim: DEFAULT_CLAIM_WINDOW,
             label: None,
         }
     }
@@ -301,7 +338,8 @@ impl Semaphore {
         fallback: Option<Semaphore>,
         degraded: bool,
     ) -> Semaphore {
-        let Opened { store, waitlist } = backend.open(&settings.name, settings.limit);
+        let Opened { store, waitlist } =
+            backend.open(&settings.name, settings.limit, settings.claim);
         let origin = Arc::new(Origin {
             name: settings.name.clone(),
             keeper: Keeper::new(store.clone(), settings.lease, settings.telemetry.clone()),

@@ -28,11 +28,6 @@ use crate::sync::{BoxFuture, lock};
 pub(crate) const PATIENCE: Duration = Duration::from_secs(3);
 pub(crate) const KEEPALIVE: Duration = Duration::from_secs(1);
 
-/// A grant to a waiter in the line is provisional: it lasts at most this long (and at most half
-/// its lease) until the waiter's process claims it by touching or renewing it, so a process
-/// that died or froze while waiting strands its slots for this long, not for a whole lease.
-pub(crate) const CLAIM: Duration = Duration::from_secs(3);
-
 /// A reading of the backend's clock: `server_us` (µs) was read no earlier than `local` by
 /// this process's clock. It turns a deadline on the backend's clock into a local instant that
 /// is never later than the backend's own.

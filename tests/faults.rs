@@ -57,9 +57,13 @@ async fn child_process() {
                 Err(e) => println!("DLIMIT error {e}"),
             }
         }
-        "eight-waiters" => {
-            let sem = claims().build(backend).unwrap();
-            let waiters: Vec<_> = (0..8)
+        "eight-waiters" | "five-waiters" => {
+            let (sem, count) = if role == "eight-waiters" {
+                (claims().build(backend).unwrap(), 8)
+            } else {
+                (one_slot().build(backend).unwrap(), 5)
+            };
+            let waiters: Vec<_> = (0..count)
                 .map(|_| {
                     let sem = sem.clone();
                     tokio::spawn(async move { sem.acquire().await })
@@ -99,6 +103,54 @@ fn claims() -> tower_distributed_limit::SemaphoreBuilder {
         .limit(8)
         .lease(Duration::from_secs(30))
         .acquire_timeout(Duration::from_secs(10))
+}
+
+fn one_slot() -> tower_distributed_limit::SemaphoreBuilder {
+    Semaphore::builder("one-slot")
+        .limit(1)
+        .lease(Duration::from_secs(4))
+        .acquire_timeout(Duration::from_secs(30))
+}
+
+/// A process frozen with five waiters at the head of a one-slot line: the first grant to it
+/// stays unclaimed for one claim window (250 ms), then the slot goes on and the frozen
+/// process's other waiters are passed over until it is heard from again, instead of each of
+/// them stranding the slot in turn (five provisional terms: 10 s with a 4 s lease before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_process_strands_a_slot_for_one_claim_window() {
+    let redis = Redis::start().await;
+    let sem = one_slot().build(redis.backend().await).unwrap();
+    let held = sem.acquire().await.unwrap();
+    let mut child = spawn_child(&redis, "five-waiters");
+    assert_eq!(child_says(&mut child).await, "started");
+    eventually(Duration::from_secs(10), "five waiters in line", || async {
+        redis.queue_len("one-slot").await == 5
+    })
+    .await;
+    signal(child.id().unwrap(), "STOP");
+    let ours = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire().await }
+    });
+    eventually(Duration::from_secs(5), "our waiter in line", || async {
+        redis.queue_len("one-slot").await == 6
+    })
+    .await;
+    let released = Instant::now();
+    drop(held);
+    let permit = tokio::time::timeout(Duration::from_secs(20), ours)
+        .await
+        .expect("our waiter is served")
+        .unwrap()
+        .expect("a permit");
+    let waited = released.elapsed();
+    eprintln!("served {waited:?} after the release, past five frozen waiters");
+    assert!(!permit.is_lost());
+    assert!(
+        waited < Duration::from_millis(1500),
+        "the frozen process's waiters stranded the slot for {waited:?}"
+    );
+    signal(child.id().unwrap(), "CONT");
 }
 
 /// A waiter frozen while its grant is announced, and kept frozen until the grant's lease has
@@ -172,7 +224,9 @@ async fn a_dead_processs_grants_come_back_within_the_claim_window() {
     .await;
     let released = Instant::now();
     drop(held);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Within the claim window (250 ms) the slots are the dead process's (first come, first
+    // served).
+    tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
         ours.iter().all(|waiter| !waiter.is_finished()),
         "the slots went to the dead process's waiters first"

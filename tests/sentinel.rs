@@ -265,28 +265,9 @@ async fn a_grant_lost_in_a_failover_is_reported_lost() {
     let held = sem.acquire().await.unwrap();
     support::signal(sentinels.pid(master), "STOP");
     support::signal(sentinels.pid(replica), "CONT");
-    let before = sentinels.master_addr().await;
     // Until the sentinels have seen the thawed replica answer again, they find no replica to
-    // promote (NOGOODSLAVE).
-    eventually(
-        Duration::from_secs(20),
-        "the sentinels to start a failover",
-        || async {
-            redis::cmd("SENTINEL")
-                .arg("FAILOVER")
-                .arg(MASTER)
-                .exec_async(&mut sentinels.sentinel().await)
-                .await
-                .is_ok()
-        },
-    )
-    .await;
-    eventually(
-        Duration::from_secs(30),
-        "the sentinels to name a new master",
-        || async { sentinels.master_addr().await != before },
-    )
-    .await;
+    // promote (NOGOODSLAVE): `fail_over` asks until they start.
+    sentinels.fail_over().await;
     // Any call through the backend (here: asking how many permits are free) finds the old
     // master gone, follows the sentinels to the new one, and makes holders renew at once.
     let _ = sem.available_permits().await;

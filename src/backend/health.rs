@@ -307,7 +307,11 @@ impl<T: Reconnect> Drop for ProbeGuard<T> {
 }
 
 async fn run<T: Reconnect>(guard: ProbeGuard<T>, first: Duration) {
-    let Some(kick) = guard.server.upgrade().map(|server| server.health().kicker()) else {
+    let Some(kick) = guard
+        .server
+        .upgrade()
+        .map(|server| server.health().kicker())
+    else {
         return;
     };
     let mut pause = first;

@@ -204,7 +204,7 @@ impl MemoryBackend {
 }
 
 impl Open for MemoryBackend {
-    fn open(&self, name: &str, limit: u32) -> Opened {
+    fn open(&self, name: &str, limit: u32, _claim: Duration) -> Opened {
         let waitlist = self.shared.hub.waitlist(name);
         Opened {
             store: Arc::new(MemorySemaphore {

@@ -404,7 +404,7 @@ impl Channels for AllNodes {
 }
 
 impl Open for QuorumBackend {
-    fn open(&self, name: &str, limit: u32) -> Opened {
+    fn open(&self, name: &str, limit: u32, _claim: Duration) -> Opened {
         // No hash tag: the nodes are independent masters, not a cluster.
         let base = format!("{}quorum:{name}", self.prefix);
         let channel = format!("{base}:freed");

@@ -16,9 +16,11 @@ use crate::sync::BoxFuture;
 use crate::waitlist::{ClockReading, Refresh, Waitlist};
 
 pub(crate) mod sealed {
-    /// Opens the permits of one semaphore name with its limit.
+    /// Opens the permits of one semaphore name with its limit; `claim` is how long a grant
+    /// to a waiter stays provisional before its process must claim it (a backend that
+    /// announces grants to other processes uses it).
     pub trait Open {
-        fn open(&self, name: &str, limit: u32) -> super::Opened;
+        fn open(&self, name: &str, limit: u32, claim: std::time::Duration) -> super::Opened;
     }
 }
 

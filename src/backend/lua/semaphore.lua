@@ -8,7 +8,12 @@
 --                  it (then meta never expires); otherwise the first process's configured limit,
 --                  which goes with the other keys when the semaphore falls idle; `line` = when
 --                  queue and alive expire (ms), `arrived` = the last arrival score given
---                  (µs), so arrivals in one call or one microsecond keep their order
+--                  (µs), so arrivals in one call or one microsecond keep their order;
+--                  `p:<member>` = 1 for a provisional grant not claimed yet (`pending`
+--                  counts them), `s:<process tag>`
+--                  = when a provisional grant of that process ran out unclaimed (ms): the
+--                  process is silent (frozen or dead), and its other waiters are passed over
+--                  until it makes a call
 -- KEYS[3] queue:   zset, member -> arrival (µs, strictly increasing): who waits, oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
@@ -22,7 +27,8 @@
 -- deadline.
 --
 -- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
--- patience ms, claim ms, promotion fence ms (0: none), k, then k members to release
+-- patience ms, claim ms, promotion fence ms (0: none), the caller's process tag, k, then k
+-- members to release
 -- (holders or waiters; absent ones are ignored), then the operation's arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
 --       -> per member, in order: {1, token, left µs, limit} granted
@@ -53,8 +59,9 @@ local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], K
 local op, channel, publisher, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
 local promotion_fence = tonumber(ARGV[7])
-local released = tonumber(ARGV[8])
-local args = 9 + released
+local caller = ARGV[8]
+local released = tonumber(ARGV[9])
+local args = 10 + released
 if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
   return redis.error_reply('unknown publish command ' .. tostring(publisher))
 end
@@ -80,12 +87,24 @@ local function left(deadline)
 end
 
 local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
-  'line', 'arrived')
+  'line', 'arrived', 'pending', 's:' .. caller)
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local line = tonumber(stored[7]) or 0
 local arrived = tonumber(stored[8]) or 0
+-- How many holders hold a provisional grant (a `p:` field each).
+local pending = tonumber(stored[9]) or 0
 local changed = false
+
+-- A provisional grant is claimed (extended for a full lease) or gone: true if it was one.
+local function settle_pending(member)
+  if pending > 0 and redis.call('HDEL', meta, 'p:' .. member) == 1 then
+    pending = pending - 1
+    changed = true
+    return true
+  end
+  return false
+end
 -- One limit for every process: the one stored with the semaphore, else this caller's, stored
 -- for the others to adopt.
 local pinned = stored[6] == '1'
@@ -137,11 +156,8 @@ local function settled(lease)
   return false
 end
 
--- Drop holders whose lease has passed, if the earliest has. `earliest` is the earliest lease
--- end while known: kept as this call grants; a release or renewal can only leave it early,
--- which at worst makes a waiter look again sooner than it needs to.
+-- Drop holders whose lease has passed, if the earliest has.
 local earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
-local earliest_known = true
 local expired = {}
 if earliest and earliest <= now then
   local until_now = int(now)
@@ -149,7 +165,6 @@ if earliest and earliest <= now then
   redis.call('ZREMRANGEBYSCORE', holders, '-inf', until_now)
   redis.call('HDEL', since, unpack(expired))
   changed = true
-  earliest_known = false
 end
 -- The server's clock stepped back: deadlines set before the step lie more than a lease ahead
 -- and would keep their slots a step too long. Each is clamped to now + its lease (one read
@@ -172,12 +187,39 @@ if clamp(holders, function(member)
   local _, lease = parse(member)
   return lease
 end) then
-  earliest_known = false
   changed = true
 end
-clamp(alive, function()
-  return patience
-end)
+-- The line's expiry (`line`) lies at most 1.5 patience ahead unless the clock stepped back.
+if line > now + patience + math.floor(patience / 2) then
+  clamp(alive, function()
+    return patience
+  end)
+end
+-- A provisional grant that ran out unclaimed: its process is silent (frozen or dead), and
+-- its other waiters are passed over until it is heard from (any call of it, below).
+-- A silence lasts at most a patience (by then a dead process's waiters have left the line);
+-- older marks are swept whenever a new one is made, so they stay few.
+local function still_silent(marked)
+  return marked ~= nil and now - marked < patience
+end
+for _, member in ipairs(expired) do
+  if settle_pending(member) then
+    local cursor = '0'
+    repeat
+      local page = redis.call('HSCAN', meta, cursor, 'MATCH', 's:*', 'COUNT', 100)
+      cursor = page[1]
+      for i = 1, #page[2], 2 do
+        if not still_silent(tonumber(page[2][i + 1])) then
+          redis.call('HDEL', meta, page[2][i])
+        end
+      end
+    until cursor == '0'
+    redis.call('HSET', meta, 's:' .. string.sub(member, 1, 8), int(now))
+  end
+end
+if stored[10] then
+  redis.call('HDEL', meta, 's:' .. caller)
+end
 if used and count then
   for _, member in ipairs(expired) do
     used = used - parse(member)
@@ -220,9 +262,6 @@ local function grant(member, weight, lease, term)
   redis.call('HSET', since, member, int(now))
   used = used + weight
   count = count + 1
-  if earliest_known and (not earliest or deadline < earliest) then
-    earliest = deadline
-  end
   -- Strictly increasing; the server time in µs as a floor keeps the token above every token
   -- issued before the counter expired in an idle spell.
   fence = math.max(fence + 1, now_us)
@@ -242,6 +281,7 @@ local function extend(member)
   if now + lease > deadline then
     deadline = now + lease
     redis.call('ZADD', holders, 'XX', int(deadline), member)
+    settle_pending(member)
     cover(lease)
     changed = true
   end
@@ -249,10 +289,11 @@ local function extend(member)
 end
 
 local removed = 0
-for i = 9, args - 1 do
+for i = 10, args - 1 do
   local member = ARGV[i]
   if redis.call('ZREM', holders, member) == 1 then
     redis.call('HDEL', since, member)
+    settle_pending(member)
     used = used - parse(member)
     count = count - 1
     changed = true
@@ -273,6 +314,7 @@ if op == 'evict' then
     local member = page[2][1]
     if member and redis.call('ZREM', holders, member) == 1 then
       redis.call('HDEL', since, member)
+      settle_pending(member)
       used = used - parse(member)
       count = count - 1
       changed = true
@@ -292,14 +334,35 @@ if waiting > 0 then
   end
   -- The line's head, read a few at a time: a release usually admits one waiter and finds the
   -- next one not fitting, which one read answers. Every member read is taken out of the line
-  -- before the next read, so a read always starts at the new head.
-  local head, at = {}, 1
-  local function oldest()
+  -- or passed over before the next read, so a read always starts just after those passed.
+  local head, at, passed = {}, 1, 0
+  local function next_in_line()
     if at > #head then
-      head, at = redis.call('ZRANGE', queue, 0, 3), 1
+      head, at = redis.call('ZRANGE', queue, passed, passed + 3), 1
     end
     at = at + 1
     return head[at - 1]
+  end
+  -- Waiters of a silent process keep their place but are passed over (at most 64 a call, so
+  -- a frozen process with a long line costs a bounded read).
+  local silent = {}
+  local function oldest()
+    local member = next_in_line()
+    while member do
+      local tag = string.sub(member, 1, 8)
+      if silent[tag] == nil then
+        silent[tag] = still_silent(tonumber(redis.call('HGET', meta, 's:' .. tag)))
+      end
+      if not silent[tag] then
+        return member
+      end
+      if passed >= 64 then
+        return nil
+      end
+      passed = passed + 1
+      member = next_in_line()
+    end
+    return nil
   end
   while true do
     local member = oldest()
@@ -322,6 +385,8 @@ if waiting > 0 then
     if redis.call('ZREM', alive, member) == 1 then
       local term = math.min(claim, math.max(math.floor(lease / 2), 1))
       local token, deadline = grant(member, weight, lease, term)
+      redis.call('HSET', meta, 'p:' .. member, 1)
+      pending = pending + 1
       granted[member] = token
       -- On the channel of the member's process only (its id starts with the process's tag).
       redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
@@ -347,13 +412,22 @@ local function wait(member)
 end
 
 -- Time until the earliest lease ends or the promotion fence lets a grant through (at least
--- 1 ms), or the patience when neither is due.
+-- 1 ms), or the patience when neither is due. Provisional grants are looked past (a few of
+-- them): they are claimed or given back within the claim window, and a release admits the
+-- next waiter itself, so waiters polling for their end would only load the server.
 local function retry_in()
-  if not earliest_known then
-    earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
-    earliest_known = true
+  local due = nil
+  if pending == 0 then
+    due = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
+  elseif pending < count then
+    local firsts = redis.call('ZRANGE', holders, 0, 7, 'WITHSCORES')
+    for i = 1, #firsts, 2 do
+      if redis.call('HEXISTS', meta, 'p:' .. firsts[i]) == 0 then
+        due = tonumber(firsts[i + 1])
+        break
+      end
+    end
   end
-  local due = earliest
   if fenced_until and (not due or fenced_until < due) then
     due = fenced_until
   end
@@ -390,7 +464,7 @@ if op == 'acquire' then
   -- order, as if made alone. One released by this very call was cancelled by its caller
   -- meanwhile: it is not added.
   local cancelled = {}
-  for i = 9, args - 1 do
+  for i = 10, args - 1 do
     cancelled[ARGV[i]] = true
   end
   -- A rate limit (KEYS[6]) decided with each acquire that would be granted at once.
@@ -503,6 +577,10 @@ if changed then
     if arrived ~= tonumber(stored[8] or 0) then
       table.insert(fields, 'arrived')
       table.insert(fields, int(arrived))
+    end
+    if pending ~= tonumber(stored[9] or 0) then
+      table.insert(fields, 'pending')
+      table.insert(fields, int(math.max(pending, 0)))
     end
     if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
       table.insert(fields, 'limit')

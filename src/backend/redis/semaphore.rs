@@ -17,7 +17,7 @@ use crate::backend::gcra::{RateKey, Rated};
 use crate::backend::store::{Attempt, Member, Mode, Opened, Store, process_tag, sealed::Open};
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
-use crate::waitlist::{CLAIM, ClockReading, PATIENCE, Refresh, Status};
+use crate::waitlist::{ClockReading, PATIENCE, Refresh, Status};
 
 /// Every operation on a semaphore, in one script.
 static SEMAPHORE: Lua = Lua::new(concat!(
@@ -29,12 +29,13 @@ static SEMAPHORE: Lua = Lua::new(concat!(
 const BATCH: usize = 1000;
 
 impl Open for RedisBackend {
-    fn open(&self, name: &str, limit: u32) -> Opened {
+    fn open(&self, name: &str, limit: u32, claim: Duration) -> Opened {
         let base = format!("{}{}", self.prefix, hash_tag(name));
         let channel = format!("{base}:granted");
         // Grants to this process's members are announced on its own channel (see the script),
         // and reach the waitlist through the hub.
-        let mine = format!("{channel}:{:08x}", process_tag());
+        let tag = format!("{:08x}", process_tag());
+        let mine = format!("{channel}:{tag}");
         let waitlist = self.shared.hub.waitlist(&mine);
         let store = Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
@@ -47,6 +48,8 @@ impl Open for RedisBackend {
             warned: AtomicBool::new(false),
             limit,
             channel,
+            tag,
+            claim,
             outbox: Mutex::default(),
         });
         Opened { store, waitlist }
@@ -64,6 +67,11 @@ struct RedisSemaphore {
     /// Where grants are announced: `<channel>:<process tag>`, the tag being the first hex
     /// digits of the member's id.
     channel: String,
+    /// This process's tag, sent with every call: a call is news that the process is alive
+    /// (see the silent processes of `lua/semaphore.lua`).
+    tag: String,
+    /// How long a grant to a waiter stays provisional (`SemaphoreBuilder::claim_window`).
+    claim: Duration,
     /// The limit this process was built with; the one in force is stored with the semaphore.
     limit: u32,
     /// A warning about the two limits differing was logged.
@@ -156,8 +164,9 @@ impl RedisSemaphore {
                     .arg(self.shared.publisher())
                     .arg(self.limit)
                     .arg(PATIENCE.as_millis() as u64)
-                    .arg(CLAIM.as_millis() as u64)
+                    .arg(self.claim.as_millis() as u64)
                     .arg(promoted.map_or(0, |(_, fence)| fence.as_millis() as u64))
+                    .arg(&self.tag)
                     .arg(carried.members.len() + usize::from(releasing.is_some()));
                 if let Some(member) = releasing {
                     command.arg(&*member.text);
