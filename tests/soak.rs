@@ -848,11 +848,7 @@ async fn client_faults(
         }
         sleep_until(next).await;
         let slot = rng.usize(..fleet.lock().unwrap().workers.len());
-        if bag.is_empty() {
-            bag = vec![FaultKind::Freeze, FaultKind::Kill];
-            rng.shuffle(&mut bag);
-        }
-        if bag.pop() == Some(FaultKind::Freeze) {
+        if draw(&mut bag, &[FaultKind::Freeze, FaultKind::Kill], rng) == FaultKind::Freeze {
             let (pid, target) = {
                 let mut fleet = fleet.lock().unwrap();
                 fleet.check_exits();
@@ -860,13 +856,10 @@ async fn client_faults(
                 (worker.child.id(), worker.label.clone())
             };
             let Some(pid) = pid else { continue };
-            if lengths.is_empty() {
-                lengths = vec![false, true];
-                rng.shuffle(&mut lengths);
-            }
-            let frozen = match lengths.pop() {
-                Some(true) => rng.u64(split..=3000),
-                _ => rng.u64(200..split),
+            let frozen = if draw(&mut lengths, &[false, true], rng) {
+                rng.u64(split..=3000)
+            } else {
+                rng.u64(200..split)
             };
             let frozen = Duration::from_millis(frozen);
             let at = wall_us();
@@ -1110,6 +1103,88 @@ where
     }
 }
 
+/// The next of `all`, drawn in shuffled rounds (`bag` holds what is left of the round), so
+/// even a short run sees every kind.
+fn draw<T: Copy>(bag: &mut Vec<T>, all: &[T], rng: &mut fastrand::Rng) -> T {
+    if bag.is_empty() {
+        *bag = all.to_vec();
+        rng.shuffle(bag);
+    }
+    bag.pop().expect("a round is never empty")
+}
+
+/// The Redis faults of the Sentinel and Cluster runs, drawn in shuffled rounds.
+const REDIS_FAULTS: [FaultKind; 3] = [
+    FaultKind::MasterKill,
+    FaultKind::MasterStop,
+    FaultKind::ForcedFailover,
+];
+
+/// Waits for the next Redis fault's turn: about `every` after `last` (a second from now at
+/// the soonest), then until the servers are healthy again (a fault on a set still recovering
+/// from the last one measures nothing new; at most 15 s). What `healthy` found, and a note
+/// for the fault when they never were; `None` when no fault fits before `end` (each needs 5 s
+/// to play out).
+async fn next_redis_fault<T, F, Fut>(
+    last: Instant,
+    every: Duration,
+    end: Instant,
+    rng: &mut fastrand::Rng,
+    what: &str,
+    mut healthy: F,
+) -> Option<(Option<T>, String)>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let next = (last + around(rng, every)).max(Instant::now() + Duration::from_secs(1));
+    if next + Duration::from_secs(5) >= end {
+        return None;
+    }
+    sleep_until(next).await;
+    let wait_from = wall_us();
+    let health = poll_until(Instant::now() + Duration::from_secs(15), || {
+        let check = healthy();
+        async move { check.await.ok() }
+    })
+    .await;
+    let note = match health {
+        Some(_) => String::new(),
+        None => format!(
+            " ({what} not healthy after {:.0} ms: {}; faulted anyway)",
+            ms_since(wait_from),
+            healthy().await.err().unwrap_or_default()
+        ),
+    };
+    Some((health, note))
+}
+
+/// Freezes `pid` for `frozen` while `watch` runs: when it was thawed (wall µs), and what
+/// `watch` saw.
+async fn freeze_during<T>(
+    pid: u32,
+    frozen: Duration,
+    watch: impl std::future::Future<Output = T>,
+) -> (u64, T) {
+    signal(pid, "STOP");
+    let thaw = async {
+        sleep(frozen).await;
+        signal(pid, "CONT");
+        wall_us()
+    };
+    tokio::join!(thaw, watch)
+}
+
+/// Kills `nodes`, thawing any that a fault left frozen.
+async fn stop_nodes(nodes: impl Iterator<Item = &mut Node>) {
+    for node in nodes {
+        if let Some(pid) = node.pid() {
+            signal(pid, "CONT");
+        }
+        node.kill().await;
+    }
+}
+
 fn ms_since(at: u64) -> f64 {
     (wall_us().saturating_sub(at)) as f64 / 1000.0
 }
@@ -1265,12 +1340,7 @@ impl SentinelSet {
     }
 
     async fn shutdown(&mut self) {
-        for node in self.sentinels.iter_mut().chain(self.data.iter_mut()) {
-            if let Some(pid) = node.pid() {
-                signal(pid, "CONT");
-            }
-            node.kill().await;
-        }
+        stop_nodes(self.sentinels.iter_mut().chain(self.data.iter_mut())).await;
     }
 }
 
@@ -1285,18 +1355,11 @@ async fn sentinel_faults(
     let mut bag: Vec<FaultKind> = Vec::new();
     let mut last = Instant::now();
     loop {
-        let next = (last + around(rng, every)).max(Instant::now() + Duration::from_secs(1));
-        // Room for the fault to play out before the run ends.
-        if next + Duration::from_secs(5) >= end {
+        let Some((health, unhealthy)) =
+            next_redis_fault(last, every, end, rng, "set", || set.healthy()).await
+        else {
             break;
-        }
-        sleep_until(next).await;
-        // A fault on a set still recovering from the last one measures nothing new.
-        let wait_from = wall_us();
-        let health = poll_until(Instant::now() + Duration::from_secs(15), || async {
-            set.healthy().await.ok()
-        })
-        .await;
+        };
         let Some(master) = health.or(set.master().await) else {
             faults.push(Fault {
                 kind: FaultKind::ForcedFailover,
@@ -1308,23 +1371,7 @@ async fn sentinel_faults(
             last = Instant::now();
             continue;
         };
-        let unhealthy = match health {
-            Some(_) => String::new(),
-            None => format!(
-                " (set not healthy after {:.0} ms: {}; faulted anyway)",
-                ms_since(wait_from),
-                set.healthy().await.err().unwrap_or_default()
-            ),
-        };
-        if bag.is_empty() {
-            bag = vec![
-                FaultKind::MasterKill,
-                FaultKind::MasterStop,
-                FaultKind::ForcedFailover,
-            ];
-            rng.shuffle(&mut bag);
-        }
-        let kind = bag.pop().unwrap();
+        let kind = draw(&mut bag, &REDIS_FAULTS, rng);
         let index = set.node(master).expect("the master is one of ours");
         let target = set.data[index].name();
         last = Instant::now();
@@ -1350,16 +1397,8 @@ async fn sentinel_faults(
             FaultKind::MasterStop => {
                 let pid = set.data[index].pid().expect("running");
                 let frozen = Duration::from_millis(rng.u64(3000..=4000));
-                signal(pid, "STOP");
-                let thaw = async {
-                    sleep(frozen).await;
-                    signal(pid, "CONT");
-                    wall_us()
-                };
-                let (thawed, switch) = tokio::join!(
-                    thaw,
-                    set.master_change(master, last + frozen + Duration::from_secs(5))
-                );
+                let watch = set.master_change(master, last + frozen + Duration::from_secs(5));
+                let (thawed, switch) = freeze_during(pid, frozen, watch).await;
                 until = thawed;
                 note = format!(
                     "SIGSTOP master {target} for {} ms; {}",
@@ -1624,12 +1663,7 @@ impl ClusterSet {
     }
 
     async fn shutdown(&mut self) {
-        for node in &mut self.nodes {
-            if let Some(pid) = node.pid() {
-                signal(pid, "CONT");
-            }
-            node.kill().await;
-        }
+        stop_nodes(self.nodes.iter_mut()).await;
     }
 }
 
@@ -1646,23 +1680,10 @@ async fn cluster_faults(
     let mut owners: Vec<bool> = Vec::new();
     let mut last = Instant::now();
     loop {
-        let next = (last + around(rng, every)).max(Instant::now() + Duration::from_secs(1));
-        if next + Duration::from_secs(5) >= end {
+        let Some((_, unhealthy)) =
+            next_redis_fault(last, every, end, rng, "cluster", || set.healthy()).await
+        else {
             break;
-        }
-        sleep_until(next).await;
-        let wait_from = wall_us();
-        let health = poll_until(Instant::now() + Duration::from_secs(15), || async {
-            set.healthy().await.ok()
-        })
-        .await;
-        let unhealthy = match health {
-            Some(_) => String::new(),
-            None => format!(
-                " (cluster not healthy after {:.0} ms: {}; faulted anyway)",
-                ms_since(wait_from),
-                set.healthy().await.err().unwrap_or_default()
-            ),
         };
         let Some(view) = set.view(None).await else {
             last = Instant::now();
@@ -1678,22 +1699,10 @@ async fn cluster_faults(
             last = Instant::now();
             continue;
         };
-        if kinds.is_empty() {
-            kinds = vec![
-                FaultKind::MasterKill,
-                FaultKind::MasterStop,
-                FaultKind::ForcedFailover,
-            ];
-            rng.shuffle(&mut kinds);
-        }
-        if owners.is_empty() {
-            owners = vec![true, true, false];
-            rng.shuffle(&mut owners);
-        }
-        let kind = kinds.pop().unwrap();
+        let kind = draw(&mut kinds, &REDIS_FAULTS, rng);
         let others: Vec<&NodeLine> = masters.iter().filter(|m| m.port != owner.port).collect();
-        let target = match owners.pop() {
-            Some(false) if !others.is_empty() => others[rng.usize(..others.len())].clone(),
+        let target = match draw(&mut owners, &[true, true, false], rng) {
+            false if !others.is_empty() => others[rng.usize(..others.len())].clone(),
             _ => owner.clone(),
         };
         let slot = if target.port == owner.port {
@@ -1731,16 +1740,9 @@ async fn cluster_faults(
             FaultKind::MasterStop => {
                 let pid = set.nodes[index].pid().expect("running");
                 let frozen = Duration::from_millis(rng.u64(3000..=4000));
-                signal(pid, "STOP");
-                let thaw = async {
-                    sleep(frozen).await;
-                    signal(pid, "CONT");
-                    wall_us()
-                };
-                let (thawed, switch) = tokio::join!(
-                    thaw,
-                    set.owner_change(slot, target.port, last + frozen + Duration::from_secs(5))
-                );
+                let watch =
+                    set.owner_change(slot, target.port, last + frozen + Duration::from_secs(5));
+                let (thawed, switch) = freeze_during(pid, frozen, watch).await;
                 until = thawed;
                 note = format!(
                     "SIGSTOP {name}, {role}, for {} ms; {}",
