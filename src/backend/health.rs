@@ -314,12 +314,12 @@ async fn run<T: Reconnect>(guard: ProbeGuard<T>, first: Duration) {
     else {
         return;
     };
-    let mut pause = first;
+    let (mut pause, mut kicked) = (first, false);
     loop {
         if !pause.is_zero() {
             tokio::select! {
                 _ = tokio::time::sleep(pause.mul_f64(0.5 + fastrand::f64() / 2.0)) => {}
-                _ = kick.notified() => pause = Duration::ZERO,
+                _ = kick.notified() => (pause, kicked) = (Duration::ZERO, true),
             }
         }
         pause = (pause * 2).clamp(FIRST_PAUSE, MAX_PAUSE);
@@ -330,7 +330,23 @@ async fn run<T: Reconnect>(guard: ProbeGuard<T>, first: Duration) {
         if !health.beat(guard.id) {
             return;
         }
-        match tokio::time::timeout(health.bound, server.attempt()).await {
+        // News that the server may answer now (a new Sentinel master) ends a hopeless attempt
+        // on the old one, and the next starts at once; that one runs to its end, so news that
+        // keeps coming cannot spin the probe.
+        let attempt = tokio::time::timeout(health.bound, server.attempt());
+        let attempt = if kicked {
+            kicked = false;
+            attempt.await
+        } else {
+            tokio::select! {
+                attempt = attempt => attempt,
+                _ = kick.notified() => {
+                    (pause, kicked) = (Duration::ZERO, true);
+                    continue;
+                }
+            }
+        };
+        match attempt {
             Ok(Ok(())) => {
                 if health.mark_up(guard.id) {
                     server.reconnected();
