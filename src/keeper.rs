@@ -27,6 +27,8 @@ const STALLED: Duration = Duration::from_secs(5);
 /// went away.
 pub(crate) struct Keeper {
     store: Arc<dyn Store>,
+    /// The semaphore's name, for the log.
+    name: String,
     telemetry: Telemetry,
     lease: Duration,
     leases: Mutex<Leases>,
@@ -45,9 +47,15 @@ struct Leases {
 }
 
 impl Keeper {
-    pub(crate) fn new(store: Arc<dyn Store>, lease: Duration, telemetry: Telemetry) -> Arc<Self> {
+    pub(crate) fn new(
+        store: Arc<dyn Store>,
+        name: String,
+        lease: Duration,
+        telemetry: Telemetry,
+    ) -> Arc<Self> {
         Arc::new(Keeper {
             store,
+            name,
             telemetry,
             lease,
             leases: Mutex::default(),
@@ -131,11 +139,15 @@ impl Keeper {
         let sent = Instant::now();
         match self.store.renew(&members).await {
             Ok(renewed) => {
+                // Permits the backend no longer knew while their leases still ran here: their
+                // keys were deleted or evicted, or lost in a restart or failover.
+                let mut vanished = 0;
                 for ((member, lease), renewed) in members.iter().zip(&leases).zip(renewed) {
                     let kept = match renewed {
                         // At most a lease from the renewal's call (see `into_permit`).
                         Some(remaining) => lease.renewed(sent + remaining.min(member.lease)),
                         None => {
+                            vanished += usize::from(sent < lease.deadline() && !lease.is_lost());
                             lease.lose();
                             false
                         }
@@ -145,11 +157,21 @@ impl Keeper {
                         self.forget(member);
                     }
                 }
+                if vanished > 0 {
+                    tracing::warn!(
+                        semaphore = %self.name,
+                        permits = vanished,
+                        "permits were gone from the backend while their leases still ran: its \
+                         keys were deleted or evicted (FLUSHALL, maxmemory), or lost in a \
+                         restart or failover; they are reported lost"
+                    );
+                }
                 true
             }
             Err(e) => {
                 self.telemetry.backend_error(Op::Renew);
                 tracing::warn!(
+                    semaphore = %self.name,
                     error = %e,
                     permits = members.len(),
                     "could not renew leases; they are lost if no renewal succeeds before they end"

@@ -342,7 +342,12 @@ impl Semaphore {
             backend.open(&settings.name, settings.limit, settings.claim);
         let origin = Arc::new(Origin {
             name: settings.name.clone(),
-            keeper: Keeper::new(store.clone(), settings.lease, settings.telemetry.clone()),
+            keeper: Keeper::new(
+                store.clone(),
+                settings.name.clone(),
+                settings.lease,
+                settings.telemetry.clone(),
+            ),
             telemetry: settings.telemetry.clone(),
             store,
             degraded,
