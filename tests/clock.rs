@@ -220,3 +220,52 @@ async fn a_clock_stepped_back_frees_a_crashed_holders_slot_within_a_lease() {
     );
     drop(permit);
 }
+
+/// Stepped forward 40 s (lease 30 s): the holder's lease ends early on the server and another
+/// process is admitted at once; no single server can prevent that. But the holder's process
+/// reads the server's clock in its own calls' replies, sees it jump ahead, and renews at once:
+/// it learns of the loss within a round trip of its next call, not at its next renewal (up to
+/// a third of the lease, 10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_forward_is_noticed_at_the_next_call() {
+    let redis = Shifted::start().await;
+    let lease = Duration::from_secs(30);
+    let open = |backend| {
+        Semaphore::builder("leaped")
+            .limit(1)
+            .lease(lease)
+            .acquire_timeout(Duration::from_secs(5))
+            .build(backend)
+            .unwrap()
+    };
+    let holder = open(RedisBackend::connect(&redis.url()).await.unwrap());
+    let held = holder.acquire().await.unwrap();
+    // The holder's process keeps calling, as a busy service does (here: trying for a second
+    // permit of the full semaphore).
+    let busy = tokio::spawn({
+        let holder = holder.clone();
+        async move {
+            loop {
+                let _ = holder.try_acquire().await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await; // a few readings at the true time
+    redis.step(STEP_US).await;
+    let other = open(RedisBackend::connect(&redis.url()).await.unwrap());
+    let taken = other
+        .acquire()
+        .await
+        .expect("the stepped clock ended the lease early");
+    let admitted = Instant::now();
+    tokio::time::timeout(Duration::from_secs(2), held.lost())
+        .await
+        .expect("the holder learns within a round trip of its next call, not a third of the lease");
+    eprintln!(
+        "the holder knew its permit lost {:?} after the other was admitted",
+        admitted.elapsed()
+    );
+    busy.abort();
+    drop(taken);
+}

@@ -489,9 +489,14 @@ async fn acquires_cancelled_in_the_batch_leak_nothing() {
         futures_util::future::join_all(attempts).await;
     }
     support::wait_until_available(&sem, 8).await;
-    // And the semaphore still serves a full house.
-    let held: Vec<_> = futures_util::future::join_all((0..8).map(|_| sem.try_acquire())).await;
-    assert!(held.iter().all(|p| matches!(p, Ok(Some(_)))));
+    // And the semaphore still serves a full house. A cancelled acquire that was queued behind
+    // a call in flight may still be sent (and its slot given back) just after the count above
+    // was read, so the house is asked for until it is full, within a bound.
+    eventually(Duration::from_secs(5), "a full house", || async {
+        let held: Vec<_> = futures_util::future::join_all((0..8).map(|_| sem.try_acquire())).await;
+        held.iter().all(|p| matches!(p, Ok(Some(_))))
+    })
+    .await;
 }
 
 /// The line's keys always carry a TTL of at most one and a half patience (3 s) past the latest

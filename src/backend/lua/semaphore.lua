@@ -31,7 +31,7 @@
 -- members to release
 -- (holders or waiters; absent ones are ignored), then the operation's arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
---       -> per member, in order: {1, token, left µs, limit} granted
+--       -> per member, in order: {1, token, left µs, now µs, limit} granted
 --          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
 --          | {4, retry µs, limit} refused by the rate limit (nothing added, nothing spent)
 --          (`limit`: the limit in force); a member also released by this call is not added.
@@ -41,8 +41,9 @@
 --   release                      -> how many of the k members held or waited
 --   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
 --                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
---   renew <member>...            -> per member: µs left of its new lease, or 0 if it no longer
---                                   holds (expired or removed: it is never added back)
+--   renew <member>...            -> {now µs, then per member: µs left of its new lease, or 0 if
+--                                   it no longer holds (expired or removed: it is never added
+--                                   back)}
 --   used                         -> live weight
 --   set_limit <n>                -> 1; every process admits by n from now on (pinned)
 --   evict <id>                   -> 1 if the holder with that id was removed, else 0
@@ -482,7 +483,7 @@ if op == 'acquire' then
     if state ~= 1 and weight > limit then
       answer = {3, limit}
     elseif state == 1 then
-      answer = {1, token, rest, limit}
+      answer = {1, token, rest, now_us, limit}
     elseif state == 2 then
       answer = {2, 0, now_us, limit}
     elseif cancelled[member] then
@@ -496,7 +497,7 @@ if op == 'acquire' then
       if allowed then
         local deadline
         token, deadline = grant(member, weight, lease, lease)
-        answer = {1, token, left(deadline), limit}
+        answer = {1, token, left(deadline), now_us, limit}
       else
         answer = {4, retry_us, limit}
       end
@@ -533,7 +534,7 @@ elseif op == 'touch' then
     table.insert(reply, rest)
   end
 elseif op == 'renew' then
-  reply = {}
+  reply = {now_us}
   for i = args, #ARGV do
     local deadline = extend(ARGV[i])
     table.insert(reply, deadline and left(deadline) or 0)

@@ -25,6 +25,10 @@ static SEMAPHORE: Lua = Lua::new(concat!(
     include_str!("../lua/semaphore.lua")
 ));
 
+/// How far ahead of its readings so far the server's clock may read before this process
+/// takes it for a step forward (µs): well above a round trip and a busy scheduler's delay.
+const STEP_US: i64 = 500_000;
+
 /// The most members one call renews or refreshes, so a long list never blocks Redis for long.
 const BATCH: usize = 1000;
 
@@ -50,6 +54,8 @@ impl Open for RedisBackend {
             channel,
             tag,
             claim,
+            base: Instant::now(),
+            clock: Mutex::new(None),
             outbox: Mutex::default(),
         });
         Opened { store, waitlist }
@@ -72,6 +78,10 @@ struct RedisSemaphore {
     tag: String,
     /// How long a grant to a waiter stays provisional (`SemaphoreBuilder::claim_window`).
     claim: Duration,
+    /// The local instant clock readings are counted from, and the smallest offset of the
+    /// server's clock from it seen so far (µs), for [`RedisSemaphore::observe`].
+    base: Instant,
+    clock: Mutex<Option<i64>>,
     /// The limit this process was built with; the one in force is stored with the semaphore.
     limit: u32,
     /// A warning about the two limits differing was logged.
@@ -199,6 +209,32 @@ impl RedisSemaphore {
             tracing::warn!(error = %e, count = carried.members.len(), "releases failed: those slots free when their leases end");
         }
         result
+    }
+
+    /// A reading of the server's clock (µs) by a call sent at `sent`. The server reads its
+    /// clock after the call was sent, so `server - sent` is smallest for the readings nearest
+    /// the send; one more than [`STEP_US`] above the smallest seen means the server's clock
+    /// jumped ahead (an NTP step forward, which ends leases early there; or this process was
+    /// paused mid-call). Then holders renew at once, so they learn of leases that ended early
+    /// within a round trip instead of a third of a lease.
+    fn observe(&self, sent: Instant, server_us: i64) {
+        let local_us = i64::try_from(sent.saturating_duration_since(self.base).as_micros())
+            .unwrap_or(i64::MAX);
+        let offset = server_us.saturating_sub(local_us);
+        let mut clock = lock(&self.clock);
+        let jumped = clock.is_some_and(|least| offset > least.saturating_add(STEP_US));
+        *clock = Some(match *clock {
+            Some(least) if !jumped => least.min(offset),
+            _ => offset,
+        });
+        drop(clock);
+        if jumped {
+            tracing::debug!(
+                "the Redis server's clock reads ahead of this process's by more than before; \
+                 holders renew at once"
+            );
+            self.shared.reconnects.send_modify(|n| *n += 1);
+        }
     }
 
     /// Logs once when the limit in force is not the one this process was built with.
@@ -428,18 +464,27 @@ impl RedisSemaphore {
             Some(&[3, limit]) => Ok(Attempt::TooHeavy {
                 limit: u32::try_from(limit).map_err(|_| unexpected(reply))?,
             }),
-            Some(&[1, token, left_us, _]) => Ok(Attempt::Granted {
-                token: token_of(token).ok_or_else(|| unexpected(reply))?,
-                remaining: micros(left_us).ok_or_else(|| unexpected(reply))?,
-            }),
-            Some(&[2, retry_ms, now_us, _]) => Ok(Attempt::Queued {
-                retry_in: millis(retry_ms),
-                clock: ClockReading {
-                    local: sent,
-                    server_us: u64::try_from(now_us).map_err(|_| unexpected(reply))?,
-                },
-            }),
-            Some(&[0, _, _, _]) => Ok(Attempt::Full),
+            Some(&[1, token, left_us, now_us, _]) => {
+                self.observe(sent, now_us);
+                Ok(Attempt::Granted {
+                    token: token_of(token).ok_or_else(|| unexpected(reply))?,
+                    remaining: micros(left_us).ok_or_else(|| unexpected(reply))?,
+                })
+            }
+            Some(&[2, retry_ms, now_us, _]) => {
+                self.observe(sent, now_us);
+                Ok(Attempt::Queued {
+                    retry_in: millis(retry_ms),
+                    clock: ClockReading {
+                        local: sent,
+                        server_us: u64::try_from(now_us).map_err(|_| unexpected(reply))?,
+                    },
+                })
+            }
+            Some(&[0, _, now_us, _]) => {
+                self.observe(sent, now_us);
+                Ok(Attempt::Full)
+            }
             Some(&[4, retry_us, _]) => Ok(Attempt::RateLimited {
                 retry_after: micros(retry_us).ok_or_else(|| unexpected(reply))?,
             }),
@@ -555,6 +600,7 @@ impl Store for RedisSemaphore {
             let mut renewed = Vec::with_capacity(members.len());
             // Batches keep each script call short, however many permits this process holds.
             for batch in members.chunks(BATCH) {
+                let sent = Instant::now();
                 let reply = self
                     .run("renew", None, None, None, |script, _| {
                         for member in batch {
@@ -562,9 +608,10 @@ impl Store for RedisSemaphore {
                         }
                     })
                     .await?;
-                match integers(&reply) {
-                    Some(left) if left.len() == batch.len() => {
-                        renewed.extend(left.into_iter().map(micros));
+                match integers(&reply).as_deref() {
+                    Some([now_us, left @ ..]) if left.len() == batch.len() => {
+                        self.observe(sent, *now_us);
+                        renewed.extend(left.iter().copied().map(micros));
                     }
                     _ => return Err(unexpected(&reply)),
                 }
