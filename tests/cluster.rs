@@ -543,6 +543,9 @@ async fn rate_limit_is_one_call_in_one_slot_and_two_across_nodes() {
         let second = start().await;
         finish.notify_one();
         second.await.unwrap().unwrap();
+        // The second request's permit goes back in the background: until it has, a third
+        // request would find the semaphore full before the rate refused it.
+        support::wait_until_available(&sem, 1).await;
         let refused = svc.clone().oneshot(()).await.unwrap_err();
         assert!(
             matches!(
