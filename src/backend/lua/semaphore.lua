@@ -203,19 +203,25 @@ end
 local function still_silent(marked)
   return marked ~= nil and now - marked < patience
 end
+local silenced = {}
 for _, member in ipairs(expired) do
   if settle_pending(member) then
-    local cursor = '0'
-    repeat
-      local page = redis.call('HSCAN', meta, cursor, 'MATCH', 's:*', 'COUNT', 100)
-      cursor = page[1]
-      for i = 1, #page[2], 2 do
-        if not still_silent(tonumber(page[2][i + 1])) then
-          redis.call('HDEL', meta, page[2][i])
-        end
+    table.insert(silenced, 's:' .. string.sub(member, 1, 8))
+  end
+end
+if #silenced > 0 then
+  local cursor = '0'
+  repeat
+    local page = redis.call('HSCAN', meta, cursor, 'MATCH', 's:*', 'COUNT', 100)
+    cursor = page[1]
+    for i = 1, #page[2], 2 do
+      if not still_silent(tonumber(page[2][i + 1])) then
+        redis.call('HDEL', meta, page[2][i])
       end
-    until cursor == '0'
-    redis.call('HSET', meta, 's:' .. string.sub(member, 1, 8), int(now))
+    end
+  until cursor == '0'
+  for _, field in ipairs(silenced) do
+    redis.call('HSET', meta, field, int(now))
   end
 end
 if stored[10] then
