@@ -17,6 +17,7 @@ use std::time::Duration;
 mod connection;
 mod rate;
 mod semaphore;
+mod sentinel;
 
 use self::connection::{Conn, Nodes, Target};
 pub(super) use self::connection::{Pushes, manager_config};
@@ -330,8 +331,10 @@ impl RedisBackend {
     /// with the default settings of [`RedisBackend::sentinel_builder`].
     ///
     /// The backend never acts on a deposed master:
-    /// - it subscribes to a sentinel's `+switch-master` and asks it every 250 ms which node is
-    ///   the master; on a switch it drops the old master's connection at once;
+    /// - it subscribes to a sentinel's `+switch-master` and asks every sentinel every 250 ms
+    ///   which node is the master; of the answers of at least a majority, the one of the
+    ///   highest configuration epoch wins (a sentinel that has not heard of a failover yet
+    ///   names the deposed master). On a switch it drops the old master's connection at once;
     /// - a call goes only to a master the sentinels named within the last second (a process
     ///   that was frozen, or lost its sentinel, asks them first); a reconnect goes through
     ///   them too;
@@ -657,7 +660,7 @@ impl RedisBackendBuilder {
         // promotes the replica that has the most), and a deposed master soon has no replica
         // left to acknowledge one.
         let promotion_fence = (matches!(nodes, Nodes::Sentinel(..)) && self.replicas.is_none())
-            .then_some(connection::CONFIRM + self.call_timeout);
+            .then_some(sentinel::CONFIRM + self.call_timeout);
         let target = Target {
             nodes,
             tls,
