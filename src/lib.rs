@@ -58,6 +58,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod ask;
 mod backend;
 mod error;
 mod keeper;
@@ -72,6 +73,7 @@ mod sync;
 mod telemetry;
 mod waitlist;
 
+pub use ask::Ask;
 pub use backend::{
     Backend, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend, RedisBackendBuilder,
 };

@@ -11,16 +11,17 @@ use pin_project_lite::pin_project;
 use tower::{BoxError, Service};
 
 use super::body::ResponseBody;
+use super::gate::{Gate, Pass, Refused};
 use super::http::HttpSettings;
-use super::limiter::Acquire;
-use super::spares::Held;
 use super::token::{FencingToken, scoped};
 use crate::Error;
 
+pub use super::gate::{AcquirePermit, CheckRate};
+
 /// How a [`Limited`] future ended without a response.
 pub(crate) enum Failure<E> {
-    /// No permit; `limit` is the picked semaphore's, if one was picked.
-    Refused { error: Error, limit: Option<u32> },
+    /// Refused before the inner service saw the request.
+    Refused(Refused),
     /// The inner service failed.
     Inner(E),
 }
@@ -37,27 +38,28 @@ pub(crate) fn extension<B>(request: &mut Request<B>, token: FencingToken) {
 }
 
 pin_project! {
-    /// Takes the permit, then calls the inner service with it held: the state machine both
-    /// flavours share. Resolves to the response and the permit, for the flavour to keep or drop.
+    /// Waits for the gate (a permit, a rate decision), then calls the inner service with its
+    /// pass held: the state machine both layers and every flavour share. Resolves to the
+    /// response and the pass, for the flavour to keep or drop.
     #[project = LimitedProj]
-    pub(crate) enum Limited<S, R>
+    pub(crate) enum Limited<S, R, G>
     where
         S: Service<R>,
+        G: Gate,
     {
-        Acquiring {
-            acquire: Acquire,
-            // The ready inner service and the request, taken once the permit is held.
+        Waiting {
+            gate: G,
+            // The ready inner service and the request, taken once the pass is held.
             call: Option<(S, R)>,
-            limit: Option<u32>,
             abort_on_lost: bool,
             stamp: Stamp<R>,
         },
         Calling {
             #[pin]
             future: S::Future,
-            permit: Option<Held>,
-            token: FencingToken,
-            // Resolves if the lease is lost first (only when the layer aborts on it).
+            pass: Option<G::Pass>,
+            token: Option<FencingToken>,
+            // Resolves if the pass is void first (only when the layer aborts on it).
             lost: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
         },
         // Aborted: the lease was lost before the response.
@@ -65,88 +67,85 @@ pin_project! {
     }
 }
 
-impl<S, R> Limited<S, R>
+impl<S, R, G> Limited<S, R, G>
 where
     S: Service<R>,
+    G: Gate,
 {
-    pub(crate) fn new(
-        (acquire, limit): (Acquire, Option<u32>),
-        ready: S,
-        request: R,
-        abort_on_lost: bool,
-        stamp: Stamp<R>,
-    ) -> Self {
-        Limited::Acquiring {
-            acquire,
+    pub(crate) fn new(gate: G, ready: S, request: R, abort_on_lost: bool, stamp: Stamp<R>) -> Self {
+        Limited::Waiting {
+            gate,
             call: Some((ready, request)),
-            limit,
             abort_on_lost,
             stamp,
         }
     }
 }
 
-impl<S, R> Future for Limited<S, R>
+/// Runs `f` with `token` as [`FencingToken::current`], if there is one.
+fn within<T>(token: Option<FencingToken>, f: impl FnOnce() -> T) -> T {
+    match token {
+        Some(token) => scoped(token, f),
+        None => f(),
+    }
+}
+
+impl<S, R, G> Future for Limited<S, R, G>
 where
     S: Service<R>,
+    G: Gate,
 {
-    type Output = Result<(S::Response, Held), Failure<S::Error>>;
+    type Output = Result<(S::Response, G::Pass), Failure<S::Error>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
             match self.as_mut().project() {
-                LimitedProj::Acquiring {
-                    acquire,
+                LimitedProj::Waiting {
+                    gate,
                     call,
-                    limit,
                     abort_on_lost,
                     stamp,
                 } => {
-                    let permit =
-                        ready!(Pin::new(acquire).poll(cx)).map_err(|error| Failure::Refused {
-                            error,
-                            limit: *limit,
-                        })?;
+                    let pass = ready!(gate.poll_gate(cx)).map_err(Failure::Refused)?;
                     let Some((mut service, mut request)) = call.take() else {
                         polled_after_completion()
                     };
-                    let token = FencingToken(permit.fencing_token());
-                    stamp(&mut request, token);
-                    let lost = abort_on_lost.then(|| Box::pin(permit.lost_signal()) as _);
-                    let future = scoped(token, || service.call(request));
+                    let token = pass.token();
+                    if let Some(token) = token {
+                        stamp(&mut request, token);
+                    }
+                    let lost = if *abort_on_lost { pass.lost() } else { None };
+                    let future = within(token, || service.call(request));
                     self.set(Limited::Calling {
                         future,
-                        permit: Some(permit),
+                        pass: Some(pass),
                         token,
                         lost,
                     });
                 }
                 LimitedProj::Calling {
                     future,
-                    permit,
+                    pass,
                     token,
                     lost,
                 } => {
-                    let result = match scoped(*token, || future.poll(cx)) {
+                    let result = match within(*token, || future.poll(cx)) {
                         Poll::Ready(result) => result,
                         Poll::Pending => {
                             if let Some(lost) = lost {
                                 ready!(lost.as_mut().poll(cx));
                                 // Dropping the inner future aborts the request.
                                 self.set(Limited::Lost);
-                                return Poll::Ready(Err(Failure::Refused {
-                                    error: Error::LeaseLost,
-                                    limit: None,
-                                }));
+                                return Poll::Ready(Err(Failure::Refused(Error::LeaseLost.into())));
                             }
                             return Poll::Pending;
                         }
                     };
-                    let Some(permit) = permit.take() else {
+                    let Some(pass) = pass.take() else {
                         polled_after_completion()
                     };
                     return Poll::Ready(match result {
-                        Ok(response) => Ok((response, permit)),
+                        Ok(response) => Ok((response, pass)),
                         Err(e) => Err(Failure::Inner(e)),
                     });
                 }
@@ -159,50 +158,57 @@ where
 /// The `Future` contract lets a completed future panic when polled again; tower's own futures
 /// do the same.
 fn polled_after_completion() -> ! {
-    panic!("a DistributedConcurrencyLimit response future was polled after it completed")
+    panic!("a tower-distributed-limit response future was polled after it completed")
 }
 
 pin_project! {
-    /// The response future of [`DistributedConcurrencyLimit`](super::DistributedConcurrencyLimit):
-    /// holds the permit until the inner service's response is ready.
-    pub struct ResponseFuture<S, R>
+    /// The response future of the generic flavour of both layers
+    /// ([`DistributedConcurrencyLimit`](super::DistributedConcurrencyLimit),
+    /// [`DistributedRateLimit`](crate::rate::DistributedRateLimit)): holds the permit until
+    /// the inner service's response is ready; a refusal is a [`BoxError`] that downcasts to
+    /// [`Error`].
+    pub struct ResponseFuture<S, R, G = AcquirePermit>
     where
         S: Service<R>,
+        G: Gate,
     {
         #[pin]
-        limited: Limited<S, R>,
+        limited: Limited<S, R, G>,
     }
 }
 
-impl<S, R> ResponseFuture<S, R>
+impl<S, R, G> ResponseFuture<S, R, G>
 where
     S: Service<R>,
+    G: Gate,
 {
-    pub(crate) fn new(limited: Limited<S, R>) -> Self {
+    pub(crate) fn new(limited: Limited<S, R, G>) -> Self {
         ResponseFuture { limited }
     }
 }
 
-impl<S, R> Future for ResponseFuture<S, R>
+impl<S, R, G> Future for ResponseFuture<S, R, G>
 where
     S: Service<R>,
     S::Error: Into<BoxError>,
+    G: Gate,
 {
     type Output = Result<S::Response, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         Poll::Ready(match ready!(self.project().limited.poll(cx)) {
             // The permit is dropped, hence released, with the response.
-            Ok((response, _permit)) => Ok(response),
+            Ok((response, _pass)) => Ok(response),
             Err(Failure::Inner(e)) => Err(e.into()),
-            Err(Failure::Refused { error, .. }) => Err(Box::new(error)),
+            Err(Failure::Refused(refused)) => Err(Box::new(refused.error)),
         })
     }
 }
 
-impl<S, R> std::fmt::Debug for ResponseFuture<S, R>
+impl<S, R, G> std::fmt::Debug for ResponseFuture<S, R, G>
 where
     S: Service<R>,
+    G: Gate,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
@@ -210,52 +216,53 @@ where
 }
 
 pin_project! {
-    /// The response future of [`HttpConcurrencyLimit`](super::HttpConcurrencyLimit) (the HTTP
-    /// and gRPC flavours): answers a refused request itself and moves the permit into the response body (unless the layer
-    /// releases at the response head).
-    pub struct HttpResponseFuture<S, B>
+    /// The response future of the HTTP and gRPC flavours of both layers: answers a refused
+    /// request itself; the concurrency layer's permit rides in the response body (unless the
+    /// layer releases at the response head), the rate layer's decision in its headers.
+    pub struct HttpResponseFuture<S, B, G = AcquirePermit>
     where
         S: Service<Request<B>>,
+        G: Gate,
     {
         #[pin]
-        limited: Limited<S, Request<B>>,
+        limited: Limited<S, Request<B>, G>,
         settings: Arc<HttpSettings>,
     }
 }
 
-impl<S, B> HttpResponseFuture<S, B>
+impl<S, B, G> HttpResponseFuture<S, B, G>
 where
     S: Service<Request<B>>,
+    G: Gate,
 {
-    pub(crate) fn new(limited: Limited<S, Request<B>>, settings: Arc<HttpSettings>) -> Self {
+    pub(crate) fn new(limited: Limited<S, Request<B>, G>, settings: Arc<HttpSettings>) -> Self {
         HttpResponseFuture { limited, settings }
     }
 }
 
-impl<S, B, ResBody> Future for HttpResponseFuture<S, B>
+impl<S, B, ResBody, G> Future for HttpResponseFuture<S, B, G>
 where
     S: Service<Request<B>, Response = Response<ResBody>>,
     ResBody: http_body::Body,
     ResBody::Data: From<Bytes>,
+    G: Gate,
 {
     type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         Poll::Ready(match ready!(this.limited.poll(cx)) {
-            Ok((response, permit)) => {
-                let permit = this.settings.hold_until_body_end.then_some(permit);
-                Ok(response.map(|body| ResponseBody::new(body, permit)))
-            }
+            Ok((response, pass)) => Ok(pass.respond(response, this.settings)),
             Err(Failure::Inner(e)) => Err(e),
-            Err(Failure::Refused { error, limit }) => Ok(this.settings.reject(error, limit)),
+            Err(Failure::Refused(refused)) => Ok(this.settings.reject(refused)),
         })
     }
 }
 
-impl<S, B> std::fmt::Debug for HttpResponseFuture<S, B>
+impl<S, B, G> std::fmt::Debug for HttpResponseFuture<S, B, G>
 where
     S: Service<Request<B>>,
+    G: Gate,
 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HttpResponseFuture").finish_non_exhaustive()

@@ -5,7 +5,8 @@ use bytes::Bytes;
 use http::{HeaderValue, Response};
 use tonic::{Code, Status};
 
-use super::http::{REFUSAL_HEADER, Refusal};
+use super::headers::REFUSAL_HEADER;
+use super::http::Refusal;
 use crate::Error;
 
 /// No permit or no rate left is `RESOURCE_EXHAUSTED`; a failing backend `UNAVAILABLE` (worth a

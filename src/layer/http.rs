@@ -1,27 +1,22 @@
-//! How the HTTP flavour answers a refused request: one kind of [`Refusal`] per error, each with
-//! its own status, sentence and `x-dlimit-refusal`, shared with the rate layer and the gRPC answer.
+//! How the HTTP flavour of both layers answers a refused request: one kind of [`Refusal`] per
+//! error, each with its own status, sentence and `x-dlimit-refusal`, in HTTP or gRPC.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HeaderName, HeaderValue, RETRY_AFTER};
+use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use super::body::ResponseBody;
+use super::gate::{Policy, Refused};
+use super::headers::{REFUSAL_HEADER, insert_concurrency_policy, insert_rate, retry_after_secs};
 use crate::Error;
-
-/// `RateLimit-Policy`, from the IETF httpapi ratelimit-headers draft.
-pub(crate) const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-
-/// `x-dlimit-refusal`: which kind of refusal a response the layer made itself is (see
-/// [`Refusal::name`]), so clients and dashboards tell an outage from a full limit.
-pub(crate) const REFUSAL_HEADER: HeaderName = HeaderName::from_static("x-dlimit-refusal");
 
 /// The hook's shape: the answer to a refusal, or `None` for the default one.
 pub(crate) type OnRefusalFn = dyn Fn(&Error) -> Option<Response<Bytes>> + Send + Sync;
 
-/// The hook set with [`on_refusal`](super::DistributedConcurrencyLimitLayer::on_refusal).
+/// The hook set with `on_refusal`.
 #[derive(Clone)]
 pub(crate) struct OnRefusal(pub(crate) Arc<OnRefusalFn>);
 
@@ -41,19 +36,27 @@ pub(crate) enum Answer {
     Grpc,
 }
 
-/// The settings of the HTTP flavour; see [`HttpConcurrencyLimitLayer`](super::HttpConcurrencyLimitLayer).
+/// The settings of the HTTP flavour, for both layers; see
+/// [`HttpConcurrencyLimitLayer`](super::HttpConcurrencyLimitLayer) and
+/// [`DistributedRateLimitLayer::http`](crate::DistributedRateLimitLayer::http).
 #[derive(Debug, Clone)]
-pub(crate) struct HttpSettings {
+pub struct HttpSettings {
     pub(crate) answer: Answer,
-    /// The status of a no-permit answer (full, timeout, too many waiters).
-    pub(crate) status: StatusCode,
-    /// The body of a no-permit answer; `None`: each kind's own sentence.
+    /// The refusals `status` and `body` replace the answer of: no permit (full, timeout, too
+    /// many waiters) for the concurrency layer, the rate limit for the rate layer.
+    pub(crate) customized: fn(Refusal) -> bool,
+    /// The status of a customized answer.
+    pub(crate) status: Option<StatusCode>,
+    /// The body of a customized answer; `None`: each kind's own sentence.
     pub(crate) body: Option<Bytes>,
     /// The `Retry-After` of the layer's own 503 answers.
     pub(crate) retry_after: Option<Duration>,
     pub(crate) hold_until_body_end: bool,
-    /// Send `RateLimit-Policy` on refusals.
+    /// Send the concurrency `RateLimit-Policy` on refusals.
     pub(crate) policy_header: bool,
+    /// Send the rate limit's `RateLimit` and `RateLimit-Policy` (on refusals and on allowed
+    /// HTTP responses).
+    pub(crate) rate_headers: bool,
     pub(crate) on_refusal: Option<OnRefusal>,
 }
 
@@ -61,11 +64,13 @@ impl Default for HttpSettings {
     fn default() -> Self {
         HttpSettings {
             answer: Answer::Http,
-            status: StatusCode::SERVICE_UNAVAILABLE,
+            customized: Refusal::no_permit,
+            status: None,
             body: None,
             retry_after: Some(Duration::from_secs(1)),
             hold_until_body_end: true,
             policy_header: false,
+            rate_headers: true,
             on_refusal: None,
         }
     }
@@ -128,8 +133,8 @@ impl Refusal {
         }
     }
 
-    /// No permit was free: the answer `status` and `body` configure.
-    fn no_permit(self) -> bool {
+    /// No permit was free: the concurrency layer's answer that `status` and `body` configure.
+    pub(crate) fn no_permit(self) -> bool {
         matches!(
             self,
             Refusal::Full | Refusal::Timeout | Refusal::TooManyWaiters
@@ -182,8 +187,9 @@ impl Refusal {
 }
 
 impl HttpSettings {
-    /// The answer to a refused request; `limit` is the picked semaphore's, if one was picked.
-    pub(crate) fn reject<B>(&self, error: Error, limit: Option<u32>) -> Response<ResponseBody<B>> {
+    /// The answer to a refused request, with the `RateLimit` headers its policy asks for.
+    pub(crate) fn reject<B>(&self, refused: Refused) -> Response<ResponseBody<B>> {
+        let Refused { error, policy } = refused;
         log(&error);
         let hooked = self.on_refusal.as_ref().and_then(|hook| (hook.0)(&error));
         let mut response = match (hooked, self.answer) {
@@ -193,38 +199,31 @@ impl HttpSettings {
             (None, Answer::Grpc) => super::grpc::response(&error),
         }
         .map(ResponseBody::refusal);
-        if let Some(limit) = limit.filter(|_| self.policy_header) {
-            response
-                .headers_mut()
-                .insert(RATELIMIT_POLICY, policy(limit));
+        let headers = response.headers_mut();
+        match policy {
+            Policy::Concurrency(limit) if self.policy_header => {
+                insert_concurrency_policy(headers, limit)
+            }
+            Policy::Rate(limiter, decision) if self.rate_headers && self.answer == Answer::Http => {
+                insert_rate(headers, &limiter, &decision)
+            }
+            _ => {}
         }
         response
     }
 
-    /// Each kind of refusal gets its own answer; `status` and `body` replace those of a
-    /// no-permit one, `retry_after` is the hint of every 503.
+    /// Each kind of refusal gets its own answer; `status` and `body` replace those of the
+    /// customized ones, `retry_after` is the hint of every 503.
     fn http(&self, error: &Error) -> Response<Bytes> {
         let refusal = Refusal::of(error);
-        let no_permit = refusal.no_permit();
+        let customized = (self.customized)(refusal);
         refusal.answer(
             error,
-            no_permit.then_some(self.status),
-            self.body.clone().filter(|_| no_permit),
+            self.status.filter(|_| customized),
+            self.body.clone().filter(|_| customized),
             self.retry_after,
         )
     }
-}
-
-/// `"concurrency";q=<limit>;qu="concurrent-requests"`.
-fn policy(limit: u32) -> HeaderValue {
-    let value = format!("\"concurrency\";q={limit};qu=\"concurrent-requests\"");
-    // Digits and ASCII punctuation only: always a valid header value.
-    HeaderValue::try_from(value).unwrap_or_else(|_| HeaderValue::from_static("\"concurrency\""))
-}
-
-/// Whole seconds, rounded up so a client never comes back before the hint.
-pub(crate) fn retry_after_secs(after: Duration) -> u64 {
-    after.as_secs() + u64::from(after.subsec_nanos() > 0)
 }
 
 fn log(error: &Error) {
@@ -234,26 +233,5 @@ fn log(error: &Error) {
         }
         Error::BadKey(_) => tracing::debug!(%error, "request refused: bad partition key"),
         _ => tracing::debug!(%error, "request refused: no permit"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn retry_after_rounds_up() {
-        assert_eq!(retry_after_secs(Duration::ZERO), 0);
-        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
-        assert_eq!(retry_after_secs(Duration::from_secs(2)), 2);
-        assert_eq!(retry_after_secs(Duration::from_millis(2500)), 3);
-    }
-
-    #[test]
-    fn the_policy_names_its_unit() {
-        assert_eq!(
-            policy(20),
-            "\"concurrency\";q=20;qu=\"concurrent-requests\""
-        );
     }
 }

@@ -7,9 +7,10 @@ use bytes::Bytes;
 use http::StatusCode;
 use tower::Layer;
 
+use super::admit::{InPollReady, Weighable, Weighted};
 use super::flavour::{Http, Plain};
-use super::key::Partitions;
-use super::limiter::{InPollReady, Limiter, Unweighted};
+use super::limiter::Limiter;
+use super::partitions::Partitions;
 use super::service::DistributedConcurrencyLimit;
 use super::spares::Spares;
 use crate::Semaphore;
@@ -25,10 +26,16 @@ use crate::Semaphore;
 /// [`acquire_in_poll_ready`](Self::acquire_in_poll_ready) reserves the permit in `poll_ready`
 /// for `Buffer`, `balance` and `LoadShed` stacks.
 ///
-/// The first type parameter is the flavour, how a refusal reaches the caller: [`Plain`]
-/// (errors that downcast to [`Error`](crate::Error)), or [`Http`] from [`http`](Self::http)
-/// (503 responses) and `grpc` (feature `tonic`, gRPC statuses). Every builder method works in
-/// any order and on every flavour.
+/// The type parameters are roles:
+/// - `Flavor`, how a refusal reaches the caller: [`Plain`] (errors that downcast to
+///   [`Error`](crate::Error)), or [`Http`] from [`http`](Self::http) (503 responses) and
+///   `grpc` (feature `tonic`, gRPC statuses);
+/// - `Admission`, the per-request decision ([`Admit`](super::Admit)): which semaphore a
+///   request counts against and what it asks of it: a [`Semaphore`], [`Partitions`],
+///   [`Weighted`] by [`weight_by`](Self::weight_by), [`InPollReady`] by
+///   [`acquire_in_poll_ready`](Self::acquire_in_poll_ready), or your own.
+///
+/// Every builder method works in any order and on every flavour.
 ///
 /// # Example
 ///
@@ -53,9 +60,9 @@ use crate::Semaphore;
 /// ```
 #[derive(Debug, Clone)]
 #[must_use = "a layer does nothing until it wraps a service"]
-pub struct DistributedConcurrencyLimitLayer<F = Plain, K = Semaphore, W = Unweighted> {
-    limiter: Limiter<K, W>,
-    flavour: F,
+pub struct DistributedConcurrencyLimitLayer<Flavor = Plain, Admission = Semaphore> {
+    limiter: Limiter<Admission>,
+    flavour: Flavor,
 }
 
 /// [`DistributedConcurrencyLimitLayer`] in its HTTP flavour, made by
@@ -87,13 +94,13 @@ pub struct DistributedConcurrencyLimitLayer<F = Plain, K = Semaphore, W = Unweig
 ///     );
 /// # let _ = app;
 /// ```
-pub type HttpConcurrencyLimitLayer<K = Semaphore, W = Unweighted> =
-    DistributedConcurrencyLimitLayer<Http, K, W>;
+pub type HttpConcurrencyLimitLayer<Admission = Semaphore> =
+    DistributedConcurrencyLimitLayer<Http, Admission>;
 
 impl DistributedConcurrencyLimitLayer {
     /// Every request takes one permit of `semaphore`.
     pub fn new(semaphore: Semaphore) -> Self {
-        Self::with_source(semaphore)
+        Self::admitting(semaphore)
     }
 
     /// Every request takes one permit of its key's semaphore; see [`Partitions`].
@@ -113,16 +120,26 @@ impl DistributedConcurrencyLimitLayer {
     pub fn partitioned<X>(
         partitions: Partitions<X>,
     ) -> DistributedConcurrencyLimitLayer<Plain, Partitions<X>> {
-        DistributedConcurrencyLimitLayer::with_source(partitions)
+        DistributedConcurrencyLimitLayer::admitting(partitions)
     }
 }
 
-impl<K> DistributedConcurrencyLimitLayer<Plain, K> {
-    fn with_source(source: K) -> Self {
+impl<Admission> DistributedConcurrencyLimitLayer<Plain, Admission> {
+    /// Every request is admitted as `admission` decides (see [`Admit`](super::Admit)): the
+    /// semaphore it counts against and what it asks of it.
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    /// use tower_distributed_limit::layer::Weighted;
+    ///
+    /// let gpu = Semaphore::builder("gpu").limit(20).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::admitting(Weighted::new(gpu, |n: &u32| *n));
+    /// # let _ = layer;
+    /// ```
+    pub fn admitting(admission: Admission) -> Self {
         DistributedConcurrencyLimitLayer {
             limiter: Limiter {
-                source,
-                weigh: Unweighted,
+                admit: admission,
                 wait: true,
                 abort_on_lost: false,
                 reserve: None,
@@ -134,7 +151,7 @@ impl<K> DistributedConcurrencyLimitLayer<Plain, K> {
     }
 }
 
-impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
+impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// Refuse a request at once when no permit is free, instead of waiting up to the
     /// semaphore's acquire timeout. The refusal is an [`Error::Full`](crate::Error::Full)
     /// (503 in the HTTP flavour, `RESOURCE_EXHAUSTED` in the gRPC one).
@@ -268,9 +285,9 @@ impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
     /// assert_eq!(response.headers()["x-dlimit-refusal"], "full");
     /// # Ok(()) }
     /// ```
-    pub fn http(self) -> DistributedConcurrencyLimitLayer<Http, K, W>
+    pub fn http(self) -> DistributedConcurrencyLimitLayer<Http, Admission>
     where
-        F: Into<Http>,
+        Flavor: Into<Http>,
     {
         let mut flavour: Http = self.flavour.into();
         flavour.settings_mut().answer = super::http::Answer::Http;
@@ -300,9 +317,9 @@ impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
     /// # let _ = layer;
     /// ```
     #[cfg(feature = "tonic")]
-    pub fn grpc(self) -> DistributedConcurrencyLimitLayer<Http, K, W>
+    pub fn grpc(self) -> DistributedConcurrencyLimitLayer<Http, Admission>
     where
-        F: Into<Http>,
+        Flavor: Into<Http>,
     {
         let mut layer = self.http();
         layer.flavour.settings_mut().answer = super::http::Answer::Grpc;
@@ -310,7 +327,7 @@ impl<F, K, W> DistributedConcurrencyLimitLayer<F, K, W> {
     }
 }
 
-impl<F, K> DistributedConcurrencyLimitLayer<F, K, Unweighted> {
+impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// A request takes `weight(&request)` permits, as one holder (a batch of 8 images takes 8
     /// slots of a GPU limited to 20). A weight of 0 or above the limit is refused at once,
     /// never waited for: [`Error::Config`](crate::Error::Config) in the generic flavour, 500
@@ -333,35 +350,21 @@ impl<F, K> DistributedConcurrencyLimitLayer<F, K, Unweighted> {
     /// assert!(matches!(err.downcast_ref::<Error>(), Some(Error::Config(_))));
     /// # Ok(()) }
     /// ```
-    pub fn weight_by<G, R>(self, weight: G) -> DistributedConcurrencyLimitLayer<F, K, G>
+    pub fn weight_by<G, R>(
+        self,
+        weight: G,
+    ) -> DistributedConcurrencyLimitLayer<Flavor, Weighted<Admission, G>>
     where
         G: Fn(&R) -> u32,
     {
-        let Limiter {
-            source,
-            wait,
-            abort_on_lost,
-            reserve,
-            spares,
-            rate,
-            weigh: Unweighted,
-        } = self.limiter;
         DistributedConcurrencyLimitLayer {
-            limiter: Limiter {
-                source,
-                weigh: weight,
-                wait,
-                abort_on_lost,
-                reserve,
-                spares,
-                rate,
-            },
+            limiter: self.limiter.map(|admit| Weighted::new(admit, weight)),
             flavour: self.flavour,
         }
     }
 }
 
-impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
+impl<Flavor> DistributedConcurrencyLimitLayer<Flavor, Semaphore> {
     /// Reserve the permit in `poll_ready` and hand it to the request in `call`, as tower's
     /// `ConcurrencyLimit` does: a service is not ready while the semaphore is full, so
     /// `LoadShed` sheds, `Buffer` stops draining and p2c `balance` picks another endpoint.
@@ -413,33 +416,18 @@ impl<F> DistributedConcurrencyLimitLayer<F, Semaphore, Unweighted> {
     /// assert!(err.is::<tower::load_shed::error::Overloaded>());
     /// # Ok(()) }
     /// ```
-    pub fn acquire_in_poll_ready(
-        self,
-    ) -> DistributedConcurrencyLimitLayer<F, Semaphore, InPollReady> {
-        let Limiter {
-            source,
-            wait,
-            abort_on_lost,
-            rate,
-            weigh: Unweighted,
-            ..
-        } = self.limiter;
+    pub fn acquire_in_poll_ready(self) -> DistributedConcurrencyLimitLayer<Flavor, InPollReady> {
+        let mut limiter = self.limiter.map(InPollReady);
+        limiter.spares = Spares::new(&limiter.admit.0);
+        limiter.reserve = Some(limiter.admit.0.clone());
         DistributedConcurrencyLimitLayer {
-            limiter: Limiter {
-                reserve: Some(source.clone()),
-                spares: Spares::new(&source),
-                source,
-                weigh: InPollReady,
-                wait,
-                abort_on_lost,
-                rate,
-            },
+            limiter,
             flavour: self.flavour,
         }
     }
 }
 
-impl<K, W> DistributedConcurrencyLimitLayer<Http, K, W> {
+impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// The status of a request that got no permit: [`Error::Full`](crate::Error::Full),
     /// [`Error::Timeout`](crate::Error::Timeout) and
     /// [`Error::TooManyWaiters`](crate::Error::TooManyWaiters) (default 503 Service
@@ -455,7 +443,7 @@ impl<K, W> DistributedConcurrencyLimitLayer<Http, K, W> {
     /// # let _ = layer;
     /// ```
     pub fn status(mut self, status: StatusCode) -> Self {
-        self.flavour.settings_mut().status = status;
+        self.flavour.settings_mut().status = Some(status);
         self
     }
 
@@ -570,13 +558,12 @@ impl<K, W> DistributedConcurrencyLimitLayer<Http, K, W> {
     }
 }
 
-impl<S, F, K, W> Layer<S> for DistributedConcurrencyLimitLayer<F, K, W>
+impl<S, Flavor, Admission> Layer<S> for DistributedConcurrencyLimitLayer<Flavor, Admission>
 where
-    F: Clone,
-    K: Clone,
-    W: Clone,
+    Flavor: Clone,
+    Admission: Clone,
 {
-    type Service = DistributedConcurrencyLimit<S, F, K, W>;
+    type Service = DistributedConcurrencyLimit<S, Flavor, Admission>;
 
     fn layer(&self, inner: S) -> Self::Service {
         DistributedConcurrencyLimit::new(inner, self.limiter.clone(), self.flavour.clone())

@@ -1,102 +1,20 @@
-//! Which semaphore a request counts against, how many permits it takes, and the future that
-//! takes them.
+//! What the concurrency layer's services share (the admission and how a request waits), and
+//! the future that takes a request's permit.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use super::admit::Admit;
+use super::gate::AcquirePermit;
 use super::spares::{Held, Spares};
 use crate::{Error, Permit, RateLimiter, Semaphore};
 
-/// Picks the semaphore a request counts against: a [`Semaphore`] for every request, or
-/// [`Partitions`](super::Partitions) by the request's key.
-///
-/// # Example
-///
-/// ```
-/// use tower_distributed_limit::{MemoryBackend, Semaphore};
-/// use tower_distributed_limit::layer::Pick;
-///
-/// let sem = Semaphore::builder("jobs").limit(2).build(MemoryBackend::new()).unwrap();
-/// assert_eq!(Pick::<String>::pick(&sem, &"any request".to_owned()).unwrap().name(), "jobs");
-/// ```
-pub trait Pick<R> {
-    /// The request's semaphore. [`Error::BadKey`] for a missing or invalid key; other errors
-    /// (a partition that cannot be built) are answered like a failing backend.
-    fn pick(&self, request: &R) -> Result<Semaphore, Error>;
-}
-
-impl<R> Pick<R> for Semaphore {
-    fn pick(&self, _: &R) -> Result<Semaphore, Error> {
-        Ok(self.clone())
-    }
-}
-
-/// How many permits a request takes: [`Unweighted`] (one each) or a closure over the request,
-/// set with [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by).
-///
-/// # Example
-///
-/// ```
-/// use tower_distributed_limit::layer::{Unweighted, Weigh};
-///
-/// struct Batch { images: u32 }
-/// let by_size = |batch: &Batch| batch.images;
-/// assert_eq!(by_size.weigh(&Batch { images: 8 }), 8);
-/// assert_eq!(Unweighted.weigh(&Batch { images: 8 }), 1);
-/// ```
-pub trait Weigh<R> {
-    /// The weight of `request`: how many permits it holds, as one holder.
-    fn weigh(&self, request: &R) -> u32;
-}
-
-impl<R, F> Weigh<R> for F
-where
-    F: Fn(&R) -> u32,
-{
-    fn weigh(&self, request: &R) -> u32 {
-        self(request)
-    }
-}
-
-/// Every request takes one permit (the default).
-///
-/// ```
-/// use tower_distributed_limit::layer::{Unweighted, Weigh};
-/// assert_eq!(Unweighted.weigh(&"request"), 1);
-/// ```
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Unweighted;
-
-impl<R> Weigh<R> for Unweighted {
-    fn weigh(&self, _: &R) -> u32 {
-        1
-    }
-}
-
-/// One permit per request, reserved in `poll_ready`; set by
-/// [`acquire_in_poll_ready`](super::DistributedConcurrencyLimitLayer::acquire_in_poll_ready).
-/// As a type it keeps [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) away:
-/// a weight needs the request, which `poll_ready` never sees.
-///
-/// ```
-/// use tower_distributed_limit::layer::{InPollReady, Weigh};
-/// assert_eq!(InPollReady.weigh(&"request"), 1);
-/// ```
-#[derive(Debug, Clone, Copy, Default)]
-pub struct InPollReady;
-
-impl<R> Weigh<R> for InPollReady {
-    fn weigh(&self, _: &R) -> u32 {
-        1
-    }
-}
-
-/// What every flavour shares: where permits come from and how a request waits for them.
+/// What every flavour shares: the admission (which semaphore, what weight) and how a request
+/// waits for its permits.
 #[derive(Debug, Clone)]
-pub(crate) struct Limiter<K, W> {
-    pub(crate) source: K,
-    pub(crate) weigh: W,
+pub(crate) struct Limiter<A> {
+    pub(crate) admit: A,
     /// Wait up to the semaphore's acquire timeout (true) or make a single attempt.
     pub(crate) wait: bool,
     /// Abort the inner call when the permit's lease is lost before the response.
@@ -178,18 +96,29 @@ impl Future for Acquire {
     }
 }
 
-impl<K, W> Limiter<K, W> {
-    /// The permit for `request`: the reservation made in `poll_ready`, or picks its
-    /// semaphore and weight now and returns the future that takes them. The limit is the
-    /// picked semaphore's, for the refusal's `RateLimit-Policy`.
+impl<A> Limiter<A> {
+    /// The same limiter with another admission.
+    pub(crate) fn map<B>(self, admit: impl FnOnce(A) -> B) -> Limiter<B> {
+        Limiter {
+            admit: admit(self.admit),
+            wait: self.wait,
+            abort_on_lost: self.abort_on_lost,
+            reserve: self.reserve,
+            spares: self.spares,
+            rate: self.rate,
+        }
+    }
+
+    /// The permit for `request`: the reservation made in `poll_ready`, or the future that
+    /// takes what the admission asks for. The limit is the admitted semaphore's, for the
+    /// refusal's `RateLimit-Policy`.
     pub(crate) fn admit<R>(
         &self,
         request: &R,
         reserved: Option<Result<Held, Error>>,
-    ) -> (Acquire, Option<u32>)
+    ) -> AcquirePermit
     where
-        K: Pick<R>,
-        W: Weigh<R>,
+        A: Admit<R>,
     {
         if let Some(semaphore) = &self.reserve {
             let reserved = reserved.unwrap_or_else(|| {
@@ -198,19 +127,16 @@ impl<K, W> Limiter<K, W> {
                      permit in poll_ready; drive the service with ServiceExt::ready first",
                 ))
             });
-            return (Acquire::Now(Some(reserved)), Some(semaphore.limit()));
+            return AcquirePermit::new(Acquire::Now(Some(reserved)), Some(semaphore.limit()));
         }
-        match self.source.pick(request) {
-            Ok(semaphore) => {
+        match self.admit.admit(request) {
+            Ok((semaphore, ask)) => {
                 let limit = semaphore.limit();
-                let weight = self.weigh.weigh(request);
                 let rate = self.rate.clone();
-                (
-                    Acquire::start(semaphore, weight, self.wait, rate),
-                    Some(limit),
-                )
+                let acquire = Acquire::start(semaphore, ask.permits(), self.wait, rate);
+                AcquirePermit::new(acquire, Some(limit))
             }
-            Err(e) => (Acquire::Now(Some(Err(e))), None),
+            Err(e) => AcquirePermit::new(Acquire::Now(Some(Err(e))), None),
         }
     }
 }

@@ -1,5 +1,11 @@
-//! The tower layer: one concurrency limit for every instance of a service, shared through the
-//! semaphore's backend.
+//! The tower layers' shared core and the concurrency layer: one concurrency limit for every
+//! instance of a service, shared through the semaphore's backend.
+//!
+//! Both layers, this one and the rate layer ([`rate`](crate::rate)), are one middleware core
+//! with two policies, as tower's `limit::{concurrency, rate}` are: the same flavours
+//! ([`Plain`], [`Http`]), refusal answers and headers, key extractors ([`PartitionKey`],
+//! [`HeaderKey`]), weights ([`Weigh`]) and response futures ([`future`]). What differs is what
+//! a request waits for: a permit here (decided per request by an [`Admit`]), its rate there.
 //!
 //! [`DistributedConcurrencyLimitLayer`] wraps any tower service, whatever its request type (a
 //! job runner, a database client, an axum `Router`, a tonic `Channel`). Each request takes
@@ -39,25 +45,32 @@
 //! held ahead, so a semaphore with room makes it ready at once, even on Redis.
 #![allow(clippy::module_inception)] // `layer::layer`, as in tower's `limit::concurrency`
 
+mod admit;
 pub mod body;
+mod cache;
 #[cfg(feature = "axum")]
 mod extract;
 mod flavour;
 pub mod future;
+mod gate;
 #[cfg(feature = "tonic")]
 pub(crate) mod grpc;
+mod headers;
 pub(crate) mod http;
 mod key;
 mod layer;
 mod limiter;
+mod partitions;
 mod reserve;
 mod service;
 mod spares;
 mod token;
 
+pub use self::admit::{Admit, InPollReady, Unweighted, Weigh, Weighable, Weighted};
 pub use self::flavour::{Http, Plain};
-pub use self::key::{HeaderKey, PartitionKey, Partitions, PartitionsBuilder, WithoutKey};
+pub use self::headers::{RATELIMIT, RATELIMIT_POLICY, REFUSAL_HEADER};
+pub use self::key::{HeaderKey, PartitionKey, Unkeyed};
 pub use self::layer::{DistributedConcurrencyLimitLayer, HttpConcurrencyLimitLayer};
-pub use self::limiter::{InPollReady, Pick, Unweighted, Weigh};
+pub use self::partitions::{Partitions, PartitionsBuilder, WithoutKey};
 pub use self::service::{DistributedConcurrencyLimit, HttpConcurrencyLimit};
 pub use self::token::FencingToken;

@@ -6,9 +6,11 @@ use std::task::{Context, Poll, ready};
 use http::{Request, Response};
 use tower::{BoxError, Service};
 
+use super::admit::Admit;
 use super::flavour::{Http, Plain};
 use super::future::{HttpResponseFuture, Limited, ResponseFuture, Stamp, extension, unstamped};
-use super::limiter::{Limiter, Pick, Unweighted, Weigh};
+use super::gate::AcquirePermit;
+use super::limiter::Limiter;
 use super::reserve::Reservation;
 use super::spares::Spares;
 use crate::Semaphore;
@@ -16,9 +18,8 @@ use crate::Semaphore;
 /// A service whose requests each hold permits of a distributed semaphore while the inner
 /// service handles them; made by [`DistributedConcurrencyLimitLayer`](super::DistributedConcurrencyLimitLayer).
 ///
-/// The type parameters are the layer's: the flavour `F` ([`Plain`] or [`Http`]), where
-/// permits come from `K` (a [`Semaphore`] or [`Partitions`](super::Partitions)) and how many a
-/// request takes `W`.
+/// The type parameters are the layer's: the `Flavor` ([`Plain`] or [`Http`]) and the
+/// `Admission` ([`Admit`]: a [`Semaphore`], [`Partitions`](super::Partitions), ...).
 ///
 /// In the generic flavour, refusals are [`BoxError`]s that downcast to
 /// [`Error`](crate::Error): [`Error::Full`](crate::Error::Full) when the layer does not wait,
@@ -45,10 +46,10 @@ use crate::Semaphore;
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
-pub struct DistributedConcurrencyLimit<S, F = Plain, K = Semaphore, W = Unweighted> {
+pub struct DistributedConcurrencyLimit<S, Flavor = Plain, Admission = Semaphore> {
     inner: S,
-    limiter: Limiter<K, W>,
-    flavour: F,
+    limiter: Limiter<Admission>,
+    flavour: Flavor,
     reservation: Reservation,
 }
 
@@ -80,11 +81,11 @@ pub struct DistributedConcurrencyLimit<S, F = Plain, K = Semaphore, W = Unweight
 /// assert_eq!(response.headers()["retry-after"], "1");
 /// # Ok(()) }
 /// ```
-pub type HttpConcurrencyLimit<S, K = Semaphore, W = Unweighted> =
-    DistributedConcurrencyLimit<S, Http, K, W>;
+pub type HttpConcurrencyLimit<S, Admission = Semaphore> =
+    DistributedConcurrencyLimit<S, Http, Admission>;
 
-impl<S, F, K, W> DistributedConcurrencyLimit<S, F, K, W> {
-    pub(crate) fn new(inner: S, limiter: Limiter<K, W>, flavour: F) -> Self {
+impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
+    pub(crate) fn new(inner: S, limiter: Limiter<Admission>, flavour: Flavor) -> Self {
         // No spares with a rate limit: a spare would spend rate for a request that may never
         // come.
         let spares = match &limiter.rate {
@@ -134,11 +135,10 @@ impl<S, F, K, W> DistributedConcurrencyLimit<S, F, K, W> {
 
     /// Admits the request and moves the ready inner service into the future, leaving a
     /// fresh clone behind for the next `poll_ready` (tower's `AsyncFilter` pattern).
-    fn start<R>(&mut self, request: R, stamp: Stamp<R>) -> Limited<S, R>
+    fn start<R>(&mut self, request: R, stamp: Stamp<R>) -> Limited<S, R, AcquirePermit>
     where
         S: Service<R> + Clone,
-        K: Pick<R>,
-        W: Weigh<R>,
+        Admission: Admit<R>,
     {
         let admitted = self.limiter.admit(&request, self.reservation.take());
         let fresh = self.inner.clone();
@@ -147,12 +147,11 @@ impl<S, F, K, W> DistributedConcurrencyLimit<S, F, K, W> {
     }
 }
 
-impl<S, R, K, W> Service<R> for DistributedConcurrencyLimit<S, Plain, K, W>
+impl<S, R, Admission> Service<R> for DistributedConcurrencyLimit<S, Plain, Admission>
 where
     S: Service<R> + Clone,
     S::Error: Into<BoxError>,
-    K: Pick<R>,
-    W: Weigh<R>,
+    Admission: Admit<R>,
 {
     type Response = S::Response;
     type Error = BoxError;
@@ -167,13 +166,13 @@ where
     }
 }
 
-impl<S, B, ResBody, K, W> Service<Request<B>> for DistributedConcurrencyLimit<S, Http, K, W>
+impl<S, B, ResBody, Admission> Service<Request<B>>
+    for DistributedConcurrencyLimit<S, Http, Admission>
 where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     ResBody: http_body::Body,
     ResBody::Data: From<bytes::Bytes>,
-    K: Pick<Request<B>>,
-    W: Weigh<Request<B>>,
+    Admission: Admit<Request<B>>,
 {
     type Response = Response<super::body::ResponseBody<ResBody>>;
     type Error = S::Error;

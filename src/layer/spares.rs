@@ -46,7 +46,7 @@ const MOST_SPARES: u32 = 8;
 
 /// A request's permit. One lent by a service's [`Spares`] goes back to them when dropped, if
 /// they still want it; any other is released as usual.
-pub(crate) struct Held {
+pub struct Held {
     /// Always `Some` until dropped.
     permit: Option<Permit>,
     home: Option<Home>,

@@ -1,0 +1,205 @@
+//! The per-request decision, named once: which semaphore a request counts against and what it
+//! asks of it ([`Admit`]), with the pieces the layer's builder methods put together.
+
+use crate::{Ask, Error, Semaphore};
+
+/// For one request: the semaphore it counts against and what it asks of it. The layer's
+/// second type parameter; [`DistributedConcurrencyLimitLayer::new`](super::DistributedConcurrencyLimitLayer::new)
+/// admits every request to one [`Semaphore`], [`partitioned`](super::DistributedConcurrencyLimitLayer::partitioned)
+/// to its key's ([`Partitions`](super::Partitions)), and
+/// [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) wraps either in
+/// [`Weighted`]. Implement it for a decision of your own (a semaphore per route, say).
+///
+/// # Errors
+///
+/// [`Error::BadKey`] for a request whose key is missing or invalid (400 in the HTTP flavour);
+/// any other error (a partition that cannot be built) is answered like a failing backend.
+///
+/// # Example
+///
+/// ```
+/// use tower_distributed_limit::{Ask, Error, MemoryBackend, Semaphore};
+/// use tower_distributed_limit::layer::Admit;
+///
+/// /// Uploads count against their own semaphore, with a weight per megabyte.
+/// struct ByRoute { uploads: Semaphore, pages: Semaphore }
+///
+/// impl Admit<http::Request<()>> for ByRoute {
+///     fn admit(&self, request: &http::Request<()>) -> Result<(Semaphore, Ask), Error> {
+///         if request.uri().path().starts_with("/upload") {
+///             let megabytes = request.headers().get("content-length")
+///                 .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+///                 .map_or(1, |bytes| (bytes >> 20).clamp(1, 8) as u32);
+///             Ok((self.uploads.clone(), Ask::new().weight(megabytes)))
+///         } else {
+///             Ok((self.pages.clone(), Ask::new()))
+///         }
+///     }
+/// }
+///
+/// let backend = MemoryBackend::new();
+/// let routes = ByRoute {
+///     uploads: Semaphore::builder("uploads").limit(16).build(backend.clone())?,
+///     pages: Semaphore::builder("pages").limit(100).build(backend)?,
+/// };
+/// let (sem, ask) = routes.admit(&http::Request::builder().uri("/upload").body(()).unwrap())?;
+/// assert_eq!((sem.name(), ask.permits()), ("uploads", 1));
+/// # Ok::<(), Error>(())
+/// ```
+pub trait Admit<R> {
+    /// The semaphore `request` counts against, and what it asks of it.
+    fn admit(&self, request: &R) -> Result<(Semaphore, Ask), Error>;
+}
+
+/// Every request asks one permit of this semaphore.
+impl<R> Admit<R> for Semaphore {
+    fn admit(&self, _: &R) -> Result<(Semaphore, Ask), Error> {
+        Ok((self.clone(), Ask::new()))
+    }
+}
+
+/// How many permits a request takes: [`Unweighted`] (one each) or a closure over the
+/// request, given to [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) (and
+/// to the rate layer's `weight_by`, as the request's cost).
+///
+/// # Example
+///
+/// ```
+/// use tower_distributed_limit::layer::{Unweighted, Weigh};
+///
+/// struct Batch { images: u32 }
+/// let by_size = |batch: &Batch| batch.images;
+/// assert_eq!(by_size.weigh(&Batch { images: 8 }), 8);
+/// assert_eq!(Unweighted.weigh(&Batch { images: 8 }), 1);
+/// ```
+pub trait Weigh<R> {
+    /// The weight of `request`: how many permits it holds, as one holder.
+    fn weigh(&self, request: &R) -> u32;
+}
+
+impl<R, F> Weigh<R> for F
+where
+    F: Fn(&R) -> u32,
+{
+    fn weigh(&self, request: &R) -> u32 {
+        self(request)
+    }
+}
+
+/// Every request weighs one (the rate layer's default cost).
+///
+/// ```
+/// use tower_distributed_limit::layer::{Unweighted, Weigh};
+/// assert_eq!(Unweighted.weigh(&"request"), 1);
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unweighted;
+
+impl<R> Weigh<R> for Unweighted {
+    fn weigh(&self, _: &R) -> u32 {
+        1
+    }
+}
+
+/// An admission whose requests weigh what `W` says; made by
+/// [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by).
+///
+/// ```
+/// use tower_distributed_limit::{MemoryBackend, Semaphore};
+/// use tower_distributed_limit::layer::{Admit, Weighted};
+///
+/// let gpu = Semaphore::builder("gpu").limit(20).build(MemoryBackend::new()).unwrap();
+/// let weighted = Weighted::new(gpu, |images: &u32| *images);
+/// let (_, ask) = weighted.admit(&8).unwrap();
+/// assert_eq!(ask.permits(), 8);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Weighted<A, W> {
+    admit: A,
+    weigh: W,
+}
+
+impl<A, W> Weighted<A, W> {
+    /// `admit`'s decisions, with the weight `weigh` gives each request.
+    pub fn new(admit: A, weigh: W) -> Self {
+        Weighted { admit, weigh }
+    }
+}
+
+impl<R, A, W> Admit<R> for Weighted<A, W>
+where
+    A: Admit<R>,
+    W: Weigh<R>,
+{
+    fn admit(&self, request: &R) -> Result<(Semaphore, Ask), Error> {
+        let (semaphore, ask) = self.admit.admit(request)?;
+        Ok((semaphore, ask.weight(self.weigh.weigh(request))))
+    }
+}
+
+/// One permit of this semaphore per request, reserved in `poll_ready`; made by
+/// [`acquire_in_poll_ready`](super::DistributedConcurrencyLimitLayer::acquire_in_poll_ready).
+/// As a type it keeps [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) away:
+/// a weight needs the request, which `poll_ready` never sees.
+///
+/// ```
+/// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+/// use tower_distributed_limit::layer::{InPollReady, Plain};
+///
+/// let sem = Semaphore::builder("upstream").limit(4).build(MemoryBackend::new()).unwrap();
+/// let layer: DistributedConcurrencyLimitLayer<Plain, InPollReady> =
+///     DistributedConcurrencyLimitLayer::new(sem).acquire_in_poll_ready();
+/// # let _ = layer;
+/// ```
+#[derive(Debug, Clone)]
+pub struct InPollReady(pub(crate) Semaphore);
+
+impl<R> Admit<R> for InPollReady {
+    fn admit(&self, _: &R) -> Result<(Semaphore, Ask), Error> {
+        Ok((self.0.clone(), Ask::new()))
+    }
+}
+
+/// The admissions [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) can wrap:
+/// all but [`InPollReady`].
+pub trait Weighable: sealed::Sealed {}
+
+impl Weighable for Semaphore {}
+impl<K> Weighable for super::Partitions<K> {}
+impl<A, W> Weighable for Weighted<A, W> {}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::Semaphore {}
+    impl<K> Sealed for crate::layer::Partitions<K> {}
+    impl<A, W> Sealed for super::Weighted<A, W> {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryBackend;
+
+    fn semaphore() -> Semaphore {
+        Semaphore::builder("admit")
+            .limit(10)
+            .build(MemoryBackend::new())
+            .unwrap()
+    }
+
+    #[test]
+    fn a_semaphore_admits_one_permit_of_itself() {
+        let (sem, ask) = Admit::<()>::admit(&semaphore(), &()).unwrap();
+        assert_eq!((sem.name(), ask.permits()), ("admit", 1));
+    }
+
+    #[test]
+    fn weighted_sets_the_weight_and_keeps_the_semaphore() {
+        let weighted = Weighted::new(semaphore(), |n: &u32| n * 2);
+        let (sem, ask) = weighted.admit(&4).unwrap();
+        assert_eq!((sem.name(), ask.permits()), ("admit", 8));
+        // The outer weight wins over an inner one.
+        let twice = Weighted::new(weighted, |_: &u32| 3);
+        assert_eq!(twice.admit(&4).unwrap().1.permits(), 3);
+    }
+}

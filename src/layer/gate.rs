@@ -1,0 +1,197 @@
+//! What a request waits for before the inner service sees it, in both layers: a permit (the
+//! concurrency layer's [`AcquirePermit`]) or a rate decision (the rate layer's [`CheckRate`]).
+//! The response futures (`future.rs`) are one state machine over either.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http::Response;
+
+use super::body::ResponseBody;
+use super::headers::insert_rate;
+use super::http::{Answer, HttpSettings};
+use super::limiter::Acquire;
+use super::spares::Held;
+use super::token::FencingToken;
+use crate::backend::RateDecision;
+use crate::{Error, RateLimiter};
+
+/// A request refused before the inner service saw it, and what its answer reports of the
+/// limit that refused it.
+pub struct Refused {
+    pub(crate) error: Error,
+    pub(crate) policy: Policy,
+}
+
+/// The limit behind a refusal, for the `RateLimit` headers of an HTTP answer.
+pub enum Policy {
+    None,
+    /// The limit of the semaphore the request was refused by.
+    Concurrency(u32),
+    /// The rate limiter and its decision.
+    Rate(RateLimiter, RateDecision),
+}
+
+impl From<Error> for Refused {
+    fn from(error: Error) -> Self {
+        Refused {
+            error,
+            policy: Policy::None,
+        }
+    }
+}
+
+pub(crate) use sealed::{Gate, Pass};
+
+mod sealed {
+    use super::*;
+
+    /// Waits for the request's pass, or its refusal.
+    pub trait Gate: Unpin {
+        /// What the request holds while the inner service handles it.
+        type Pass: Pass;
+
+        fn poll_gate(&mut self, cx: &mut Context<'_>) -> Poll<Result<Self::Pass, Refused>>;
+    }
+
+    /// What a request admitted by a [`Gate`] holds while the inner service handles it.
+    pub trait Pass: Sized {
+        /// The fencing token the inner call runs with, if any.
+        fn token(&self) -> Option<FencingToken>;
+
+        /// Resolves if the pass is void before the response (a permit's lease lost).
+        fn lost(&self) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>>;
+
+        /// The HTTP flavour's response: the pass rides in the body, or adds its headers.
+        fn respond<B>(
+            self,
+            response: Response<B>,
+            settings: &HttpSettings,
+        ) -> Response<ResponseBody<B>>;
+    }
+}
+
+/// The part of the concurrency layer's response future that takes the request's permit.
+pub struct AcquirePermit {
+    acquire: Acquire,
+    /// The picked semaphore's limit, for the refusal's `RateLimit-Policy`.
+    limit: Option<u32>,
+}
+
+impl AcquirePermit {
+    pub(crate) fn new(acquire: Acquire, limit: Option<u32>) -> Self {
+        AcquirePermit { acquire, limit }
+    }
+}
+
+impl std::fmt::Debug for AcquirePermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AcquirePermit").finish_non_exhaustive()
+    }
+}
+
+impl Gate for AcquirePermit {
+    type Pass = Held;
+
+    fn poll_gate(&mut self, cx: &mut Context<'_>) -> Poll<Result<Held, Refused>> {
+        Pin::new(&mut self.acquire)
+            .poll(cx)
+            .map_err(|error| Refused {
+                error,
+                policy: self.limit.map_or(Policy::None, Policy::Concurrency),
+            })
+    }
+}
+
+impl Pass for Held {
+    fn token(&self) -> Option<FencingToken> {
+        Some(FencingToken(self.fencing_token()))
+    }
+
+    fn lost(&self) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
+        Some(Box::pin(self.lost_signal()))
+    }
+
+    fn respond<B>(
+        self,
+        response: Response<B>,
+        settings: &HttpSettings,
+    ) -> Response<ResponseBody<B>> {
+        let permit = settings.hold_until_body_end.then_some(self);
+        response.map(|body| ResponseBody::new(body, permit))
+    }
+}
+
+type Check = Pin<Box<dyn Future<Output = Result<RateDecision, Error>> + Send>>;
+
+/// The part of the rate layer's response future that spends the request's rate.
+pub struct CheckRate {
+    check: Check,
+    limiter: RateLimiter,
+}
+
+impl CheckRate {
+    pub(crate) fn new(check: Check, limiter: RateLimiter) -> Self {
+        CheckRate { check, limiter }
+    }
+}
+
+impl std::fmt::Debug for CheckRate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckRate")
+            .field("limiter", &self.limiter.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A request the rate limit let through: its decision, for the `RateLimit` headers.
+pub struct Spent {
+    limiter: RateLimiter,
+    decision: RateDecision,
+}
+
+impl Gate for CheckRate {
+    type Pass = Spent;
+
+    fn poll_gate(&mut self, cx: &mut Context<'_>) -> Poll<Result<Spent, Refused>> {
+        let decision = std::task::ready!(self.check.as_mut().poll(cx))?;
+        let limiter = self.limiter.clone();
+        Poll::Ready(if decision.allowed {
+            Ok(Spent { limiter, decision })
+        } else {
+            tracing::debug!(
+                limiter = limiter.name(),
+                retry_after = ?decision.retry_after,
+                "request refused: rate limit"
+            );
+            Err(Refused {
+                error: Error::RateLimited {
+                    retry_after: decision.retry_after.unwrap_or_default(),
+                },
+                policy: Policy::Rate(limiter, decision),
+            })
+        })
+    }
+}
+
+impl Pass for Spent {
+    fn token(&self) -> Option<FencingToken> {
+        None
+    }
+
+    fn lost(&self) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
+        None
+    }
+
+    fn respond<B>(
+        self,
+        mut response: Response<B>,
+        settings: &HttpSettings,
+    ) -> Response<ResponseBody<B>> {
+        if settings.rate_headers && settings.answer == Answer::Http {
+            insert_rate(response.headers_mut(), &self.limiter, &self.decision);
+        }
+        response.map(|body| ResponseBody::new(body, None))
+    }
+}
