@@ -88,3 +88,13 @@ pub use permit::Permit;
 pub use rate::{DistributedRateLimitLayer, RateLimiter, RateLimiterBuilder};
 pub use semaphore::{MAX_NAME_LEN, Semaphore, SemaphoreBuilder};
 pub use snapshot::{Holder, Snapshot};
+
+/// The `http` crate this one is built with, for header names
+/// ([`PartitionsBuilder::key_header`](layer::PartitionsBuilder::key_header),
+/// [`DistributedRateLimitLayer::key_header`]) and status codes without a dependency of your
+/// own: `tower_distributed_limit::http::HeaderName::from_static("x-api-key")`.
+pub use http;
+/// The `redis` crate this one is built with: [`RedisBackend::from_client`] takes a
+/// `redis::Client` of this very version (a `redis` dependency of another major version is
+/// another type); build it as `tower_distributed_limit::redis::Client::open(url)?`.
+pub use redis;

@@ -199,6 +199,10 @@ impl Permit {
     /// Resolves when the lease is lost (at once if it is). The semaphore renews the lease of
     /// every live permit, so this only happens when the backend cannot be reached in time,
     /// the process was paused past the lease, or the holder was removed behind its back.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only waits.
     pub async fn lost(&self) {
         self.lease.lost().await;
     }
@@ -227,6 +231,17 @@ impl Permit {
 
     /// Gives the permit back now and reports whether the backend took it. Idempotent: after a
     /// success further calls do nothing; after an error, calling again (or dropping) retries.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the backend could not be reached: the permit is still held by
+    /// this guard, and calling again (or dropping it) retries. Its slot comes back at the latest
+    /// when its lease ends.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future before it resolves leaves the release to the guard's
+    /// drop, which releases in the background.
     pub async fn release(&mut self) -> Result<(), Error> {
         self.claim.release().await
     }

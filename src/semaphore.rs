@@ -206,10 +206,11 @@ impl SemaphoreBuilder {
 
     /// Checks the settings and opens the semaphore on `backend`.
     ///
-    /// Fails with [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`] bytes, a
-    /// missing or zero limit, a lease under
-    /// 1 ms or over 49 days, a claim window under 1 ms, a zero acquire timeout or
-    /// `max_waiters`, or a local outage limit of 0.
+    /// # Errors
+    ///
+    /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`] bytes, a missing or zero
+    /// limit, a lease under 1 ms or over 49 days, a claim window under 1 ms, a zero acquire
+    /// timeout or `max_waiters`, or a local outage limit of 0. Nothing is sent to the backend.
     pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
         if self.name.is_empty() {
             return Err(Error::config(
@@ -389,17 +390,40 @@ impl Semaphore {
     /// Waiters are served first come, first served across every process, and sleep until
     /// their grant is announced; they do not poll. Cancelling the returned future (dropping it,
     /// a timeout around it) never leaks a permit and leaves the line.
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire_many`](Self::acquire_many).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future (a `select!`, a timeout around it) before it resolves
+    /// takes nothing and leaves the line; a permit granted meanwhile is released in the
+    /// background.
     pub async fn acquire(&self) -> Result<Permit, Error> {
         self.acquire_many(1).await
     }
 
     /// Takes `weight` permits at once, as one holder, waiting like [`acquire`](Self::acquire).
     ///
-    /// A weight of 0 or above the limit fails at once with [`Error::Config`]. The acquire
-    /// timeout bounds the wait *in line*: with a free slot even a 1 ms timeout succeeds, and
-    /// a full semaphore answers [`Error::Timeout`] once it has passed. A backend that fails
-    /// or does not answer within its own call timeout gives [`Error::Backend`], or what the
-    /// semaphore's [`OutagePolicy`] says.
+    /// The acquire timeout bounds the wait *in line*: with a free slot even a 1 ms timeout
+    /// succeeds, and a full semaphore answers [`Error::Timeout`] once it has passed. A backend
+    /// that does not answer within its own call timeout counts as failed.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::Config`] at once for a weight of 0 or above the limit (it could never be
+    ///   granted);
+    /// - [`Error::Timeout`] when no slot came free within the acquire timeout;
+    /// - [`Error::TooManyWaiters`] when [`max_waiters`](SemaphoreBuilder::max_waiters) callers of
+    ///   this process already wait;
+    /// - [`Error::Backend`] when the backend failed and the [`OutagePolicy`] refuses.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future (a `select!`, a timeout around it) before it resolves
+    /// takes nothing and leaves the line; a permit granted meanwhile is released in the
+    /// background.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
         self.acquire_with(weight, None).await
     }
@@ -481,6 +505,15 @@ impl Semaphore {
     }
 
     /// One attempt at one permit: `Ok(None)` when the semaphore is full.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_many`](Self::try_acquire_many).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future before it resolves takes nothing (a permit granted
+    /// meanwhile is released in the background).
     pub async fn try_acquire(&self) -> Result<Option<Permit>, Error> {
         self.try_acquire_many(1).await
     }
@@ -488,8 +521,15 @@ impl Semaphore {
     /// One attempt at `weight` permits: `Ok(None)` when they do not fit now, or when others
     /// are already waiting for them (a one-shot attempt does not jump the line).
     ///
-    /// A weight of 0 or above the limit fails with [`Error::Config`]; a failing backend with
-    /// [`Error::Backend`], or what the semaphore's [`OutagePolicy`] says.
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a weight of 0 or above the limit; [`Error::Backend`] when the
+    /// backend failed and the [`OutagePolicy`] refuses.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future before it resolves takes nothing (a permit granted
+    /// meanwhile is released in the background).
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
         self.try_with(weight, None).await
     }
@@ -557,6 +597,15 @@ impl Semaphore {
     /// The semaphore now, across every process: the limit in force, the weight held, how many
     /// wait, and each holder with how long it has held and how long its lease has left. One
     /// backend call; for dashboards and the `dlimit` command line, not for the request path.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the backend cannot be reached (the outage policy does not apply
+    /// to reads).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
     pub async fn snapshot(&self) -> Result<Snapshot, Error> {
         self.inner.origin.store.snapshot().await
     }
@@ -564,7 +613,7 @@ impl Semaphore {
     /// Makes `limit` the limit every process using this name admits by, at once and until it
     /// is set again, whatever each was built with (`.limit(n)`). Raising it admits the waiters
     /// that now fit; lowering it takes nothing from current holders (none is lost), and nobody
-    /// new is admitted until the weight held fits under it. [`Error::Config`] for 0.
+    /// new is admitted until the weight held fits under it.
     ///
     /// Without `set_limit`, the first process to use a semaphore stores its configured limit
     /// and the others adopt it (a warning is logged where a process was built with another);
@@ -586,6 +635,16 @@ impl Semaphore {
     /// assert_eq!(old.snapshot().await?.limit, 5);
     /// # Ok(()) }
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for 0; [`Error::Backend`] when the backend cannot be reached (the limit
+    /// may or may not have been set: call again).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future may or may not leave the new limit set; setting it again is
+    /// harmless.
     pub async fn set_limit(&self, limit: u32) -> Result<(), Error> {
         self.check_limit(limit)?;
         self.inner.origin.store.set_limit(limit).await
@@ -607,6 +666,15 @@ impl Semaphore {
     /// next renewal finds it gone (then its permit is lost); until then it may still act, so a
     /// resource that must not see two holders should check fencing tokens: the next holder's
     /// is higher. `Ok(false)` when no holder has that id.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the backend cannot be reached.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future may or may not evict the holder; [`snapshot`](Self::snapshot)
+    /// tells.
     pub async fn evict(&self, id: &str) -> Result<bool, Error> {
         self.inner.origin.store.evict(id).await
     }
@@ -628,6 +696,14 @@ impl Semaphore {
     }
 
     /// The limit minus the weight of live (unexpired) holders, across every process.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the backend cannot be reached.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
     pub async fn available_permits(&self) -> Result<u32, Error> {
         let used = self
             .inner

@@ -4,7 +4,7 @@
 use http::HeaderName;
 
 /// The key of an HTTP request: a header's value, made by
-/// [`PartitionsBuilder::key_header`]. A missing or non-UTF-8 value means no key.
+/// [`PartitionsBuilder::key_header`](super::PartitionsBuilder::key_header). A missing or non-UTF-8 value means no key.
 ///
 /// ```
 /// use http::HeaderName;

@@ -28,8 +28,10 @@ use crate::Semaphore;
 ///
 /// The type parameters are roles:
 /// - `Flavor`, how a refusal reaches the caller: [`Plain`] (errors that downcast to
-///   [`Error`](crate::Error)), or [`Http`] from [`http`](Self::http) (503 responses) and
-///   `grpc` (feature `tonic`, gRPC statuses);
+///   [`Error`](crate::Error); the service's error type is [`tower::BoxError`], whatever the
+///   inner one), or [`Http`] from [`http`](Self::http) (503 responses) and `grpc` (feature
+///   `tonic`, gRPC statuses), whose services keep the inner service's error type (an axum
+///   `Router` stays `Infallible`, so no `HandleErrorLayer` is needed);
 /// - `Admission`, the per-request decision ([`Admit`](super::Admit)): which semaphore a
 ///   request counts against and what it asks of it: a [`Semaphore`], [`Partitions`],
 ///   [`Weighted`] by [`weight_by`](Self::weight_by), [`InPollReady`] by

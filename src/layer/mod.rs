@@ -43,6 +43,34 @@
 //! the permit is reserved in `poll_ready`, as tower's `ConcurrencyLimit` does, so a full
 //! semaphore makes the service not ready. The services such a layer makes share a few permits
 //! held ahead, so a semaphore with room makes it ready at once, even on Redis.
+//!
+//! # Recipe: a global limit and a per-tenant limit
+//!
+//! Stack two layers, the per-tenant one outside: a request takes its tenant's slot first and
+//! then waits for a global one, so a tenant's flood can hold at most its own cap of requests
+//! waiting for global slots, and never the whole line. (Global first would let one tenant's
+//! requests take every global slot and then wait for their tenant's.)
+//!
+//! ```
+//! use tower::{ServiceBuilder, ServiceExt, service_fn};
+//! use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Partitions, Semaphore};
+//!
+//! struct Job { tenant: String }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+//! let backend = MemoryBackend::new(); // in production, one RedisBackend for both
+//! let global = Semaphore::builder("gpu").limit(100).build(backend.clone())?;
+//! let per_tenant = Partitions::builder("gpu-tenant")
+//!     .key(|job: &Job| Some(job.tenant.clone()))
+//!     .limit(10)
+//!     .build(backend)?;
+//! let runner = ServiceBuilder::new()
+//!     .layer(DistributedConcurrencyLimitLayer::partitioned(per_tenant))
+//!     .layer(DistributedConcurrencyLimitLayer::new(global))
+//!     .service(service_fn(|job: Job| async move { Ok::<_, tower::BoxError>(job.tenant) }));
+//! assert_eq!(runner.oneshot(Job { tenant: "acme".into() }).await?, "acme");
+//! # Ok(()) }
+//! ```
 #![allow(clippy::module_inception)] // `layer::layer`, as in tower's `limit::concurrency`
 
 mod admit;

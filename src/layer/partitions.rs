@@ -239,8 +239,11 @@ impl<K> PartitionsBuilder<K> {
 
     /// Checks the settings; key semaphores will be built on `backend`.
     ///
-    /// Fails with [`Error::Config`] without a key extractor or a limit, for a zero capacity or
-    /// key length, or for settings [`SemaphoreBuilder::build`] refuses.
+    /// # Errors
+    ///
+    /// [`Error::Config`] without a key extractor or a limit, for a zero capacity or key length,
+    /// a base name and key length over [`MAX_NAME_LEN`](crate::MAX_NAME_LEN), or settings
+    /// [`SemaphoreBuilder::build`] refuses.
     pub fn build<B: Backend + Clone>(self, backend: B) -> Result<Partitions<K>, Error> {
         let base = self.base;
         let Some(key) = self.key else {
@@ -304,9 +307,12 @@ impl Partitions {
 }
 
 impl<K> Partitions<K> {
-    /// The semaphore of `key`, built now if this process does not hold it. Fails with
-    /// [`Error::BadKey`] for an empty or too long key, [`Error::Config`] for a limit of 0 for
-    /// it.
+    /// The semaphore of `key`, built now if this process does not hold it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadKey`] for an empty or too long key; [`Error::Config`] when the limit for this
+    /// key is 0.
     pub fn semaphore(&self, key: &str) -> Result<Semaphore, Error> {
         self.check(key)?;
         self.lookup(key)

@@ -18,8 +18,10 @@ tokio::task_local! {
 ///   Work on other tasks does not see it (a task the service spawns, or a `Buffer`'s worker
 ///   between the layer and the service): read it in `call` and pass it along.
 /// - **HTTP and gRPC flavours** (`.http()`, `.grpc()`): also a request extension, so an axum
-///   handler takes it as an extractor (`FencingToken` with the `axum` feature, or
-///   `Extension<FencingToken>`).
+///   handler takes it as an extractor: `Extension<FencingToken>` always, and `FencingToken`
+///   itself with this crate's **`axum` feature** (`features = ["axum"]`). Without the
+///   feature, a handler taking `FencingToken` fails to compile with axum's opaque
+///   "`Handler<_, _>` is not implemented"; enable the feature or use `Extension`.
 ///
 /// # Example
 ///

@@ -18,8 +18,8 @@ use crate::layer::{HeaderKey, Http, Plain, Unkeyed, Unweighted};
 /// sees it. It wraps a service of any request type.
 ///
 /// Flavours, as for [`DistributedConcurrencyLimitLayer`](crate::DistributedConcurrencyLimitLayer):
-/// generic ([`Plain`], the default: a refusal is a [`BoxError`] that downcasts to
-/// [`Error::RateLimited`]), [`http`](Self::http) (429 Too Many Requests with `Retry-After` and
+/// generic ([`Plain`], the default: a refusal is a [`BoxError`](tower::BoxError) that downcasts to
+/// [`Error::RateLimited`](crate::Error::RateLimited)), [`http`](Self::http) (429 Too Many Requests with `Retry-After` and
 /// the IETF `RateLimit` / `RateLimit-Policy` headers, also on allowed responses), and `grpc`
 /// (feature `tonic`: `RESOURCE_EXHAUSTED`): the same flavour types, answers and headers as the
 /// concurrency layer's. [`weight_by`](Self::weight_by) sets a request's
@@ -27,7 +27,7 @@ use crate::layer::{HeaderKey, Http, Plain, Unkeyed, Unweighted};
 /// rate (nothing is kept per key in this process).
 ///
 /// A failing backend is decided by the limiter's [`OutagePolicy`](crate::OutagePolicy); when
-/// it refuses, the generic flavour fails with [`Error::Backend`] and the HTTP one answers 503.
+/// it refuses, the generic flavour fails with [`Error::Backend`](crate::Error::Backend) and the HTTP one answers 503.
 ///
 /// To cap both how many start and how many run at once, prefer
 /// [`DistributedConcurrencyLimitLayer::rate_limit`](crate::DistributedConcurrencyLimitLayer::rate_limit):

@@ -238,14 +238,31 @@ impl RateLimiter {
     }
 
     /// One request of cost 1: allowed (and spent) or refused with the time to wait.
+    ///
+    /// # Errors
+    ///
+    /// As [`check_n`](Self::check_n).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves may or may not have spent the cost (the check
+    /// may have reached the backend); nothing else is held.
     pub async fn check(&self) -> Result<RateDecision, Error> {
         self.check_n(1).await
     }
 
     /// One request of cost `n`, all or nothing: a refused request spends nothing.
     ///
-    /// A cost of 0 or above the burst (it could never pass) fails with [`Error::Config`]; a
-    /// failing backend with [`Error::Backend`], or what the limiter's [`OutagePolicy`] says.
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a cost of 0 or above the burst (it could never pass);
+    /// [`Error::Backend`] when the backend failed and the limiter's [`OutagePolicy`] refuses. A
+    /// refused request is `Ok` with `allowed: false`, not an error.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves may or may not have spent the cost (the check
+    /// may have reached the backend); nothing else is held.
     pub async fn check_n(&self, n: u32) -> Result<RateDecision, Error> {
         self.decide(None, n).await
     }
@@ -253,8 +270,17 @@ impl RateLimiter {
     /// Like [`check_n`](Self::check_n), against the partition `key` (an API key, a tenant): each
     /// key gets the limiter's rate and burst of its own, in its own backend key (in Redis,
     /// `{name:key}`, which expires when full again; in memory, swept likewise). Nothing is kept
-    /// per key in this process. An empty key or one over 256 bytes fails with
-    /// [`Error::BadKey`].
+    /// per key in this process.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::BadKey`] for an empty key or one over 256 bytes; otherwise as
+    /// [`check_n`](Self::check_n).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves may or may not have spent the cost (the check
+    /// may have reached the backend); nothing else is held.
     pub async fn check_key(&self, key: &str, n: u32) -> Result<RateDecision, Error> {
         if key.is_empty() || key.len() > MAX_KEY_LEN {
             return Err(Error::BadKey(format!(
