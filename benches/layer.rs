@@ -1,7 +1,9 @@
 //! What `DistributedConcurrencyLimitLayer` adds to a request: the same `service_fn` served bare,
 //! behind the generic layer and behind its `.http()` flavour, with `weight_by` and
 //! `acquire_in_poll_ready`, and a service of a request type that is not HTTP (`u64` jobs), all on
-//! `MemoryBackend`, beside tower's per-process `ConcurrencyLimitLayer` for scale. The
+//! `MemoryBackend`, beside tower's per-process `ConcurrencyLimitLayer` for scale; partitioned
+//! jobs whose keys hit the partitions' cache or miss it (more keys than its capacity), and
+//! the rate layer (generic and HTTP) with a rate it never reaches. The
 //! difference between `bare` and a layered line is the layer's cost per request (taking and
 //! giving back a permit, the boxed acquire future, the moved inner service).
 //!
@@ -23,7 +25,10 @@ use http_body::Body;
 use http_body_util::{BodyExt, Full};
 use tokio::runtime::Runtime;
 use tower::{Layer, Service, ServiceExt, service_fn};
-use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+use tower_distributed_limit::{
+    DistributedConcurrencyLimitLayer, DistributedRateLimitLayer, MemoryBackend, Partitions,
+    RateLimiter, Semaphore,
+};
 
 mod common;
 
@@ -139,6 +144,44 @@ fn layer_overhead(c: &mut Criterion) {
         b.to_async(&rt)
             .iter_custom(|iters| run_jobs(jobs.clone(), iters));
     });
+    let partitioned = |keys: u64, capacity: usize| {
+        let partitions = Partitions::builder("bench-keys")
+            .key(move |job: &u64| Some((job % keys).to_string()))
+            .limit(1)
+            .capacity(capacity)
+            .build(MemoryBackend::new())
+            .expect("valid settings");
+        DistributedConcurrencyLimitLayer::partitioned(partitions).layer(service_fn(job))
+    };
+    // 8 keys, all cached.
+    let hits = partitioned(8, 10_000);
+    group.bench_function("partitioned_hits", |b| {
+        b.to_async(&rt)
+            .iter_custom(|iters| run_jobs(hits.clone(), iters));
+    });
+    // 4 096 keys in turn through a cache of 1 024: every request a miss, and an eviction.
+    let misses = partitioned(4096, 1024);
+    group.bench_function("partitioned_misses", |b| {
+        b.to_async(&rt)
+            .iter_custom(|iters| run_jobs(misses.clone(), iters));
+    });
+    let rate = RateLimiter::builder("bench-rate")
+        .rate(1_000_000_000, Duration::from_secs(1))
+        .build(MemoryBackend::new())
+        .expect("valid settings");
+    let rated = DistributedRateLimitLayer::new(rate.clone()).layer(service_fn(job));
+    group.bench_function("rate_generic", |b| {
+        b.to_async(&rt)
+            .iter_custom(|iters| run_jobs(rated.clone(), iters));
+    });
+    bench(
+        &mut group,
+        &rt,
+        "rate_http",
+        DistributedRateLimitLayer::new(rate)
+            .http()
+            .layer(service_fn(hello)),
+    );
     group.finish();
 }
 
