@@ -86,3 +86,8 @@ pub use permit::Permit;
 pub use rate::{DistributedRateLimitLayer, RateLimiter, RateLimiterBuilder};
 pub use semaphore::{MAX_NAME_LEN, Semaphore, SemaphoreBuilder};
 pub use snapshot::{Holder, Snapshot};
+
+/// The README's snippets, compiled (and those without `no_run` run) by `cargo test --doc`.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
