@@ -98,3 +98,8 @@ pub use http;
 /// `redis::Client` of this very version (a `redis` dependency of another major version is
 /// another type); build it as `tower_distributed_limit::redis::Client::open(url)?`.
 pub use redis;
+
+/// The README's snippets, compiled (and those without `no_run` run) by `cargo test --doc`.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -2191,7 +2191,7 @@ fn analyse(config: &Config, dir: &Path, faults: &[Fault], t0: u64) -> Report {
         }
     }
 
-    // The README documents a fencing token as max(last + 1, Redis time in µs), so a token far
+    // docs/design.md documents a fencing token as max(last + 1, Redis time in µs), so a token far
     // older than START means the grant was made long before the holder heard of it. Reported,
     // not asserted: the counting rule above is the check.
     let stale_grants = holds
