@@ -165,13 +165,12 @@ impl<R> Admit<R> for InPollReady {
 pub trait Weighable: sealed::Sealed {}
 
 impl Weighable for Semaphore {}
-impl<K> Weighable for super::Partitions<K> {}
 impl<A, W> Weighable for Weighted<A, W> {}
 
-mod sealed {
+pub(super) mod sealed {
+    /// Only this crate's admissions are [`Weighable`](super::Weighable).
     pub trait Sealed {}
     impl Sealed for crate::Semaphore {}
-    impl<K> Sealed for crate::layer::Partitions<K> {}
     impl<A, W> Sealed for super::Weighted<A, W> {}
 }
 

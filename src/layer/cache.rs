@@ -1,71 +1,32 @@
-//! The partitions' bounded map from key to semaphore.
+//! The partitions' bounded map from key to semaphore: `quick_cache`'s concurrent cache
+//! (CLOCK-PRO eviction, sharded), so lookups of different keys never wait on one lock. Its
+//! default hasher is std's (SipHash, randomly keyed): keys are request data, and a fixed
+//! hash would let a client aim every key at one shard.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use quick_cache::sync::Cache;
 
-use crate::Semaphore;
+use crate::{Error, Semaphore};
 
-/// A bounded map with second-chance (CLOCK) eviction: an approximation of least recently used
-/// with O(1) hits and amortised O(1) misses.
-pub(super) struct KeyCache {
-    index: HashMap<Arc<str>, usize>,
-    slots: Vec<Slot>,
-    hand: usize,
-    capacity: usize,
-}
-
-struct Slot {
-    key: Arc<str>,
-    semaphore: Semaphore,
-    referenced: bool,
-}
+/// At most `capacity` keys' semaphores; the ones used least recently go first.
+pub(super) struct KeyCache(Cache<String, Semaphore>);
 
 impl KeyCache {
     pub(super) fn new(capacity: usize) -> Self {
-        KeyCache {
-            index: HashMap::new(),
-            slots: Vec::new(),
-            hand: 0,
-            capacity,
-        }
+        KeyCache(Cache::new(capacity))
     }
 
     pub(super) fn len(&self) -> usize {
-        self.slots.len()
+        self.0.len()
     }
 
-    pub(super) fn get(&mut self, key: &str) -> Option<Semaphore> {
-        let slot = &mut self.slots[*self.index.get(key)?];
-        slot.referenced = true;
-        Some(slot.semaphore.clone())
-    }
-
-    pub(super) fn insert(&mut self, key: Arc<str>, semaphore: Semaphore) {
-        let slot = Slot {
-            key: key.clone(),
-            semaphore,
-            referenced: false,
-        };
-        if self.slots.len() < self.capacity {
-            self.index.insert(key, self.slots.len());
-            self.slots.push(slot);
-            return;
-        }
-        // Sweep: spare each recently used slot once, evict the first one that was not.
-        // Ends within two turns of the hand, since each spared slot loses its mark.
-        loop {
-            let current = &mut self.slots[self.hand];
-            if current.referenced {
-                current.referenced = false;
-                self.hand = (self.hand + 1) % self.slots.len();
-                continue;
-            }
-            self.index.remove(&current.key);
-            *current = slot;
-            self.index.insert(key, self.hand);
-            self.hand = (self.hand + 1) % self.slots.len();
-            return;
-        }
+    /// The semaphore of `key`, built by `build` if the cache does not hold it (once: callers
+    /// asking for the same key meanwhile wait for that build, which never blocks on I/O).
+    pub(super) fn get_or_build(
+        &self,
+        key: &str,
+        build: impl FnOnce() -> Result<Semaphore, Error>,
+    ) -> Result<Semaphore, Error> {
+        self.0.get_or_insert_with(key, build)
     }
 }
 
@@ -74,31 +35,39 @@ mod tests {
     use super::*;
     use crate::MemoryBackend;
 
-    fn sem(name: &str) -> Semaphore {
+    fn sem(name: &str) -> Result<Semaphore, Error> {
         Semaphore::builder(name)
             .limit(1)
             .build(MemoryBackend::new())
-            .unwrap()
     }
 
     #[test]
-    fn clock_stays_bounded_and_spares_recent_keys() {
-        let mut clock = KeyCache::new(3);
-        for key in ["a", "b", "c"] {
-            clock.insert(key.into(), sem(key));
-        }
-        assert!(clock.get("a").is_some()); // a is recently used
-        clock.insert("d".into(), sem("d")); // evicts b, the first unmarked slot
-        assert_eq!(clock.len(), 3);
-        assert!(clock.get("b").is_none());
-        assert!(clock.get("a").is_some());
-        assert!(clock.get("d").is_some());
-        for i in 0..100 {
+    fn stays_bounded_and_keeps_a_key_in_use() {
+        let cache = KeyCache::new(64);
+        for i in 0..10_000 {
             let key = format!("k{i}");
-            clock.insert(key.as_str().into(), sem(&key));
-            assert!(clock.get(&key).is_some());
-            assert_eq!(clock.len(), 3);
-            assert_eq!(clock.index.len(), 3);
+            assert_eq!(cache.get_or_build(&key, || sem(&key)).unwrap().name(), key);
+            // A hot key, asked for between every new one, stays.
+            cache.get_or_build("hot", || sem("hot")).unwrap();
+            assert!(cache.len() <= 64, "{} keys held", cache.len());
         }
+        let mut built = false;
+        cache
+            .get_or_build("hot", || {
+                built = true;
+                sem("hot")
+            })
+            .unwrap();
+        assert!(!built, "the hot key was evicted");
+    }
+
+    #[test]
+    fn a_failed_build_caches_nothing() {
+        let cache = KeyCache::new(8);
+        let err = cache.get_or_build("zero", || {
+            Semaphore::builder("zero").build(MemoryBackend::new())
+        });
+        assert!(matches!(err, Err(Error::Config(_))));
+        assert_eq!(cache.len(), 0);
     }
 }

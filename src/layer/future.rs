@@ -11,7 +11,8 @@ use pin_project_lite::pin_project;
 use tower::{BoxError, Service};
 
 use super::body::ResponseBody;
-use super::gate::{Gate, Pass, Refused};
+use super::gate::{Gate, Pass};
+use super::refused::Refused;
 use super::http::HttpSettings;
 use super::token::{FencingToken, scoped};
 use crate::Error;

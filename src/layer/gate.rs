@@ -12,35 +12,11 @@ use super::body::ResponseBody;
 use super::headers::insert_rate;
 use super::http::{Answer, HttpSettings};
 use super::limiter::Acquire;
+use super::refused::{Policy, Refused};
 use super::spares::Held;
 use super::token::FencingToken;
 use crate::backend::RateDecision;
 use crate::{Error, RateLimiter};
-
-/// A request refused before the inner service saw it, and what its answer reports of the
-/// limit that refused it.
-pub struct Refused {
-    pub(crate) error: Error,
-    pub(crate) policy: Policy,
-}
-
-/// The limit behind a refusal, for the `RateLimit` headers of an HTTP answer.
-pub enum Policy {
-    None,
-    /// The limit of the semaphore the request was refused by.
-    Concurrency(u32),
-    /// The rate limiter and its decision.
-    Rate(RateLimiter, RateDecision),
-}
-
-impl From<Error> for Refused {
-    fn from(error: Error) -> Self {
-        Refused {
-            error,
-            policy: Policy::None,
-        }
-    }
-}
 
 pub(crate) use sealed::{Gate, Pass};
 

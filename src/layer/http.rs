@@ -9,7 +9,7 @@ use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use super::body::ResponseBody;
-use super::gate::{Policy, Refused};
+use super::refused::{Policy, Refused};
 use super::headers::{REFUSAL_HEADER, insert_concurrency_policy, insert_rate, retry_after_secs};
 use crate::Error;
 

@@ -6,7 +6,6 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use super::admit::Admit;
-use super::gate::AcquirePermit;
 use super::spares::{Held, Spares};
 use crate::{Error, Permit, RateLimiter, Semaphore};
 
@@ -116,7 +115,7 @@ impl<A> Limiter<A> {
         &self,
         request: &R,
         reserved: Option<Result<Held, Error>>,
-    ) -> AcquirePermit
+    ) -> (Acquire, Option<u32>)
     where
         A: Admit<R>,
     {
@@ -127,16 +126,16 @@ impl<A> Limiter<A> {
                      permit in poll_ready; drive the service with ServiceExt::ready first",
                 ))
             });
-            return AcquirePermit::new(Acquire::Now(Some(reserved)), Some(semaphore.limit()));
+            return (Acquire::Now(Some(reserved)), Some(semaphore.limit()));
         }
         match self.admit.admit(request) {
             Ok((semaphore, ask)) => {
                 let limit = semaphore.limit();
                 let rate = self.rate.clone();
                 let acquire = Acquire::start(semaphore, ask.permits(), self.wait, rate);
-                AcquirePermit::new(acquire, Some(limit))
+                (acquire, Some(limit))
             }
-            Err(e) => AcquirePermit::new(Acquire::Now(Some(Err(e))), None),
+            Err(e) => (Acquire::Now(Some(Err(e))), None),
         }
     }
 }

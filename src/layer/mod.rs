@@ -89,6 +89,7 @@ mod key;
 mod layer;
 mod limiter;
 mod partitions;
+mod refused;
 mod reserve;
 mod service;
 mod spares;

@@ -1,15 +1,14 @@
 //! Per-key partitions: one semaphore, with its own limit, per API key, tenant or any other key
 //! taken from the request (any request type; header helpers for HTTP).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderName;
 
-use super::admit::Admit;
+use super::admit::{Admit, Weighable, sealed};
 use super::cache::KeyCache;
 use super::key::{HeaderKey, PartitionKey};
-use crate::sync::lock;
 use crate::{Ask, Backend, Error, MAX_NAME_LEN, OutagePolicy, Semaphore, SemaphoreBuilder};
 
 const DEFAULT_CAPACITY: usize = 10_000;
@@ -112,7 +111,7 @@ struct PartitionSet<K> {
     build: Box<BuildFn>,
     max_key_len: usize,
     without_key: WithoutKey,
-    cache: Mutex<KeyCache>,
+    cache: KeyCache,
 }
 
 impl<K> std::fmt::Debug for Partitions<K> {
@@ -281,7 +280,7 @@ impl<K> PartitionsBuilder<K> {
                 build,
                 max_key_len: self.max_key_len,
                 without_key: self.without_key,
-                cache: Mutex::new(KeyCache::new(self.capacity)),
+                cache: KeyCache::new(self.capacity),
             }),
         };
         // Let the semaphore builder check the name, lease and timeout now rather than per request.
@@ -332,25 +331,24 @@ impl<K> Partitions<K> {
 
     fn lookup(&self, key: &str) -> Result<Semaphore, Error> {
         let inner = &self.inner;
-        let mut cache = lock(&inner.cache);
-        if let Some(sem) = cache.get(key) {
-            return Ok(sem);
-        }
-        let limit = (inner.limit)(key);
-        let sem = (inner.build)(self.settings(format!("{}:{key}", inner.base), limit))?;
-        cache.insert(key.into(), sem.clone());
-        Ok(sem)
+        inner.cache.get_or_build(key, || {
+            let limit = (inner.limit)(key);
+            (inner.build)(self.settings(format!("{}:{key}", inner.base), limit))
+        })
     }
 
     /// How many keys' semaphores this process holds now (never more than the capacity).
     pub fn cached(&self) -> usize {
-        lock(&self.inner.cache).len()
+        self.inner.cache.len()
     }
 
     fn settings(&self, name: String, limit: u32) -> SemaphoreBuilder {
         self.inner.template.clone().named(name).limit(limit)
     }
 }
+
+impl<K> sealed::Sealed for Partitions<K> {}
+impl<K> Weighable for Partitions<K> {}
 
 /// A request asks one permit of its key's semaphore.
 impl<K, R> Admit<R> for Partitions<K>

@@ -140,7 +140,8 @@ impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
         S: Service<R> + Clone,
         Admission: Admit<R>,
     {
-        let admitted = self.limiter.admit(&request, self.reservation.take());
+        let (acquire, limit) = self.limiter.admit(&request, self.reservation.take());
+        let admitted = AcquirePermit::new(acquire, limit);
         let fresh = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, fresh);
         Limited::new(admitted, ready, request, self.limiter.abort_on_lost, stamp)

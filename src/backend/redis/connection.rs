@@ -7,18 +7,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{
-    Client, Cmd, ConnectionInfo, Pipeline, ProtocolVersion, PushInfo, RedisFuture, RedisResult,
+    Client, Cmd, ConnectionInfo, Pipeline, ProtocolVersion, RedisFuture, RedisResult,
     TlsCertificates, Value,
 };
 
+use super::node::{NodeSettings, Pushes, manager};
 use super::sentinel::{Sentineled, demoted};
-
-/// Where pushes go: grant announcements and lost connections.
-pub(in crate::backend) type Pushes = Arc<dyn Fn(PushInfo) + Send + Sync>;
 
 /// Where the backend connects, with the timeouts every call and connection attempt get.
 #[derive(Clone)]
@@ -49,6 +47,15 @@ pub(super) enum Conn {
 }
 
 impl Target {
+    /// How a connection to one node of this target is set up.
+    pub(super) fn node(&self) -> NodeSettings {
+        NodeSettings {
+            call_timeout: self.call_timeout,
+            connect_timeout: self.connect_timeout,
+            certificates: self.certificates.clone(),
+        }
+    }
+
     /// The longest opening a connection may take: one connect attempt (redis-rs bounds it by
     /// the connect timeout, TLS handshake included); through Sentinel, asking the sentinels
     /// first.
@@ -80,7 +87,7 @@ impl Conn {
                 ))
             }
             Nodes::Sentinel(ref sentinels, ref master) => Ok(Conn::Sentinel(
-                Sentineled::open(sentinels.clone(), master.clone(), &target, pushes).await?,
+                Sentineled::open(sentinels.clone(), master.clone(), &target.node(), pushes).await?,
             )),
             Nodes::Cluster(nodes) => {
                 let mut builder = ClusterClientBuilder::new(nodes)
@@ -168,39 +175,4 @@ impl ConnectionLike for Conn {
             Conn::Sentinel(sentinel) => sentinel.current().map_or(0, |master| master.conn.get_db()),
         }
     }
-}
-
-/// A connection manager for one node, sending its pushes to `pushes`.
-pub(in crate::backend) async fn manager(
-    client: Client,
-    pushes: &Pushes,
-    call_timeout: Duration,
-    connect_timeout: Duration,
-) -> RedisResult<ConnectionManager> {
-    ConnectionManager::new_with_config(
-        client,
-        manager_config(pushes, call_timeout, connect_timeout),
-    )
-    .await
-}
-
-/// How every connection manager of the crate is set up: pushes to `pushes`, subscriptions
-/// restored after a reconnect, bounded calls, and a single bounded attempt per reconnect.
-pub(in crate::backend) fn manager_config(
-    pushes: &Pushes,
-    call_timeout: Duration,
-    connect_timeout: Duration,
-) -> ConnectionManagerConfig {
-    let pushes = pushes.clone();
-    ConnectionManagerConfig::new()
-        .set_push_sender(move |push: PushInfo| {
-            pushes(push);
-            Ok::<(), std::convert::Infallible>(())
-        })
-        .set_automatic_resubscription()
-        .set_response_timeout(Some(call_timeout))
-        .set_connection_timeout(Some(connect_timeout))
-        // One attempt per reconnect: while a server is down, the backend's probe retries
-        // (`health`), and no call waits behind a series of attempts.
-        .set_number_of_retries(0)
 }

@@ -15,12 +15,13 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 mod connection;
+mod node;
 mod rate;
 mod semaphore;
 mod sentinel;
 
 use self::connection::{Conn, Nodes, Target};
-pub(super) use self::connection::{Pushes, manager_config};
+pub(super) use self::node::{Pushes, manager_config};
 use super::health::{self, Health, Reconnect};
 use redis::{
     Client, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, PushInfo, PushKind, RedisError,

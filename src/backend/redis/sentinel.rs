@@ -17,7 +17,7 @@ use redis::{
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::connection::{Pushes, Target, manager};
+use super::node::{NodeSettings, Pushes, manager};
 use crate::sync::lock;
 
 /// How long the sentinels' word that the master is the one we talk to stays good. A call on
@@ -87,7 +87,7 @@ impl Sentineled {
     pub(super) async fn open(
         sentinels: Vec<ConnectionInfo>,
         master_name: String,
-        target: &Target,
+        node: &NodeSettings,
         pushes: Pushes,
     ) -> RedisResult<Arc<Sentineled>> {
         let sentinel = Arc::new(Sentineled {
@@ -95,12 +95,12 @@ impl Sentineled {
             current: Mutex::new(None),
             confirmed: Mutex::new(None),
             pushes,
-            call_timeout: target.call_timeout,
-            connect_timeout: target.connect_timeout,
+            call_timeout: node.call_timeout,
+            connect_timeout: node.connect_timeout,
             channels: Mutex::default(),
             sentinels,
             master_name,
-            certificates: target.certificates.clone(),
+            certificates: node.certificates.clone(),
         });
         sentinel.follow().await?;
         tokio::spawn(watch(Arc::downgrade(&sentinel)));
