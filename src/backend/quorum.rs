@@ -86,7 +86,8 @@ use tokio::time::Instant;
 
 use super::gcra::Rated;
 use super::health::{self, Health, Reconnect};
-use super::redis::{Channels, Pushes, manager_config, on_push, subscriber};
+use super::redis::announce::{Channels, on_push, subscriber};
+use super::redis::{Pushes, manager_config};
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
 use crate::Error;
 use crate::snapshot::{Holder, Snapshot};

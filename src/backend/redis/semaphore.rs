@@ -11,7 +11,9 @@ use redis::{Cmd, Value};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
-use super::{Connection, Lua, RedisBackend, hash_tag, invoke, slot_tag};
+use super::keys::{hash_tag, slot_tag};
+use super::script::{Lua, invoke};
+use super::{Connection, RedisBackend};
 use crate::Error;
 use crate::backend::gcra::{RateKey, Rated};
 use crate::backend::store::{Attempt, Member, Mode, Opened, Store, process_tag, sealed::Open};
