@@ -34,8 +34,8 @@ pub(crate) mod sealed {
 /// A store of rate limiters: [`RedisBackend`](crate::RedisBackend) across processes (one
 /// node, a Cluster or Sentinel's master), [`MemoryBackend`](crate::MemoryBackend) within one
 /// process. Pass one to [`RateLimiterBuilder::build`](crate::RateLimiterBuilder::build).
-/// [`QuorumBackend`](crate::QuorumBackend) implements it only to refuse at build time with
-/// [`Error::Config`]: a GCRA over independent masters is not exact yet.
+/// [`QuorumBackend`](crate::QuorumBackend) does not implement it (a GCRA over independent
+/// masters would not be exact), so a limiter on one does not compile.
 ///
 /// Sealed, like [`Backend`](crate::Backend).
 pub trait RateBackend: sealed::OpenRate + Send + Sync + 'static {}

@@ -46,9 +46,10 @@
 //!   restarting then must still abstain alone (`tests/quorum.rs` checks it).
 //! - **An abstention that blocks a grant** (the nodes that took and the ones abstaining would
 //!   have been a majority; with a node down and one restarted, say) is not a full semaphore,
-//!   and is not reported as one: `try_acquire` fails with [`Error::Backend`], naming the
-//!   abstaining nodes and for how much longer they abstain; `acquire` waits for them if they
-//!   take part again within its acquire timeout, and otherwise fails the same way at once.
+//!   and is not reported as one: `try_acquire` fails with
+//!   [`Error::Backend`](crate::Error::Backend), naming the abstaining nodes and for how much
+//!   longer they abstain; `acquire` waits for them if they take part again within its acquire
+//!   timeout, and otherwise fails the same way at once.
 //!   The semaphore's `OutagePolicy` decides, as when too few nodes answer.
 //! - **A paused or unreachable node** answers late or not at all; it is counted out, and a
 //!   grant needs a majority of the others. Fewer than a majority reachable is a backend failure,
@@ -89,7 +90,6 @@ mod store;
 
 pub use self::builder::QuorumBackendBuilder;
 use self::node::Node;
-use crate::Error;
 use crate::waitlist::Hub;
 
 /// A semaphore store over several independent Redis masters (no replication between them):
@@ -107,6 +107,22 @@ use crate::waitlist::Hub;
 /// let sem = Semaphore::builder("gpu").limit(4).build(quorum)?;   // the same Semaphore API
 /// let permit = sem.acquire().await?;
 /// # drop(permit); Ok(()) }
+/// ```
+///
+/// # Rate limits need a `RedisBackend`
+///
+/// A GCRA over independent masters would not be exact, so a `QuorumBackend` is no
+/// [`RateBackend`](crate::RateBackend): a [`RateLimiter`](crate::RateLimiter) on one does not
+/// compile. Keep the rate on a [`RedisBackend`](crate::RedisBackend) (one node, a Cluster or
+/// Sentinel's master) beside the quorum's semaphore.
+///
+/// ```compile_fail,E0277
+/// use std::time::Duration;
+/// use tower_distributed_limit::{QuorumBackend, RateLimiter};
+///
+/// fn rate(quorum: QuorumBackend) -> RateLimiter {
+///     RateLimiter::builder("api").rate(100, Duration::from_secs(1)).build(quorum).unwrap()
+/// }
 /// ```
 #[derive(Clone)]
 pub struct QuorumBackend {
@@ -130,22 +146,4 @@ struct Nodes {
     drift_factor: f64,
     /// Every call to a node, reconnecting included, ends by then: a dead node slows no one.
     call_timeout: Duration,
-}
-
-// ---- Rate limiters (issue 13): not on a quorum yet. ----
-
-impl crate::backend::gcra::RateBackend for QuorumBackend {}
-
-impl crate::backend::gcra::sealed::OpenRate for QuorumBackend {
-    fn open_rate(
-        &self,
-        name: &str,
-        _: crate::backend::gcra::Gcra,
-    ) -> Result<crate::backend::gcra::OpenedRate, Error> {
-        Err(Error::config(format!(
-            "rate limiter {name:?}: rate limiting is not supported on a QuorumBackend yet (a GCRA \
-             over independent masters is not exact); use a RedisBackend (one node, Cluster or \
-             Sentinel) for the rate limit, next to the quorum's semaphore"
-        )))
-    }
 }
