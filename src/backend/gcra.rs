@@ -142,8 +142,9 @@ fn micros_up(units: i128, rate: i128) -> Duration {
     Duration::from_micros(u64::try_from(us).unwrap_or(u64::MAX))
 }
 
-/// A rate limiter a store may decide in the same call as an acquire (see [`Store::combines`]):
-/// which backend connection holds it, its key there and its rate.
+/// A rate limiter a store may decide in the same call as an acquire (see
+/// [`Store::combines`](super::Store::combines)): which backend connection holds it, its key
+/// there and its rate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RateKey {
     /// The backend's identity (its shared connection's address): a store only combines with a
