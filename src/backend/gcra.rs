@@ -34,8 +34,8 @@ pub(crate) mod sealed {
 /// A store of rate limiters: [`RedisBackend`](crate::RedisBackend) across processes (one
 /// node, a Cluster or Sentinel's master), [`MemoryBackend`](crate::MemoryBackend) within one
 /// process. Pass one to [`RateLimiterBuilder::build`](crate::RateLimiterBuilder::build).
-/// [`QuorumBackend`](crate::QuorumBackend) implements it only to refuse at build time with
-/// [`Error::Config`]: a GCRA over independent masters is not exact yet.
+/// [`QuorumBackend`](crate::QuorumBackend) does not implement it (a GCRA over independent
+/// masters would not be exact), so a limiter on one does not compile.
 ///
 /// Sealed, like [`Backend`](crate::Backend).
 pub trait RateBackend: sealed::OpenRate + Send + Sync + 'static {}
@@ -142,8 +142,9 @@ fn micros_up(units: i128, rate: i128) -> Duration {
     Duration::from_micros(u64::try_from(us).unwrap_or(u64::MAX))
 }
 
-/// A rate limiter a store may decide in the same call as an acquire (see [`Store::combines`]):
-/// which backend connection holds it, its key there and its rate.
+/// A rate limiter a store may decide in the same call as an acquire (see
+/// [`Store::combines`](super::Store::combines)): which backend connection holds it, its key
+/// there and its rate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RateKey {
     /// The backend's identity (its shared connection's address): a store only combines with a
@@ -276,5 +277,123 @@ mod tests {
         let (d, _) = g.decide(Some(t), 5, 3);
         assert!(!d.allowed && d.remaining == 2);
         assert_eq!(d.retry_after, Some(Duration::from_millis(10)));
+    }
+
+    #[test]
+    fn a_tat_in_the_past_is_a_full_limiter() {
+        let g = gcra(10, 1000, 3);
+        let long_ago = Some(Tat { us: 50, rem: 7 });
+        assert_eq!(
+            g.decide(long_ago, 1_000_000, 2),
+            g.decide(None, 1_000_000, 2)
+        );
+        let (d, tat) = g.decide(long_ago, 1_000_000, 2);
+        assert!(d.allowed && d.remaining == 1);
+        // Counted from now, not from the old TAT: two intervals of 100 ms.
+        assert_eq!(
+            tat,
+            Tat {
+                us: 1_200_000,
+                rem: 0
+            }
+        );
+        assert_eq!(d.reset_after, Duration::from_millis(200));
+    }
+
+    #[test]
+    fn the_burst_comes_back_one_interval_at_a_time() {
+        // 10 per second: one back every 100 ms, none before.
+        let g = gcra(10, 1000, 3);
+        let (_, empty) = g.decide(None, 0, 3);
+        let (d, _) = g.decide(Some(empty), 99_999, 1);
+        assert!(!d.allowed && d.remaining == 0);
+        assert_eq!(d.retry_after, Some(Duration::from_micros(1)));
+        let (d, _) = g.decide(Some(empty), 100_000, 1);
+        assert!(d.allowed && d.remaining == 0);
+        // Half an interval more brings no second one.
+        let (d, _) = g.decide(Some(empty), 150_000, 1);
+        assert!(d.allowed && d.remaining == 0);
+        let (d, _) = g.decide(Some(empty), 200_000, 1);
+        assert!(d.allowed && d.remaining == 1);
+    }
+
+    #[test]
+    fn a_cost_above_the_burst_never_fits() {
+        let g = gcra(10, 1000, 3);
+        for now in [0, 1_000_000, 1 << 40] {
+            let (d, _) = g.decide(None, now, 4);
+            assert!(!d.allowed, "at {now}");
+            // Nothing was spent: the limiter is still full.
+            assert_eq!((d.remaining, d.reset_after), (3, Duration::ZERO));
+        }
+    }
+
+    #[test]
+    fn fractions_of_a_microsecond_round_up() {
+        // 3 per second, burst 2: one request puts the TAT 333 333⅓ µs ahead.
+        let g = gcra(3, 1000, 2);
+        let (d, tat) = g.decide(None, 0, 1);
+        assert_eq!(
+            tat,
+            Tat {
+                us: 333_333,
+                rem: 1
+            }
+        );
+        assert_eq!(d.reset_after, Duration::from_micros(333_334));
+        let (_, tat) = g.decide(Some(tat), 0, 1);
+        assert_eq!(
+            tat,
+            Tat {
+                us: 666_666,
+                rem: 2
+            }
+        );
+        let (d, _) = g.decide(Some(tat), 0, 1);
+        assert!(!d.allowed);
+        // A third of a microsecond still to wait is a whole one.
+        assert_eq!(d.retry_after, Some(Duration::from_micros(333_334)));
+        assert_eq!(d.reset_after, Duration::from_micros(666_667));
+    }
+
+    #[test]
+    fn cells_store_only_what_was_allowed() {
+        let (g, mut cells) = (gcra(10, 1000, 3), Cells::default());
+        assert!(!cells.check("api", &g, 0, 4).allowed);
+        assert!(cells.tats.is_empty());
+        assert!(cells.check("api", &g, 0, 3).allowed);
+        assert_eq!(
+            cells.tats["api"],
+            Tat {
+                us: 300_000,
+                rem: 0
+            }
+        );
+        assert!(!cells.check("api", &g, 0, 1).allowed);
+        assert_eq!(
+            cells.tats["api"],
+            Tat {
+                us: 300_000,
+                rem: 0
+            }
+        );
+    }
+
+    #[test]
+    fn cells_sweep_the_full_limiters_once_they_doubled() {
+        let (g, mut cells) = (gcra(10, 1000, 3), Cells::default());
+        // The first 64 limiters are never swept; the 65th sweeps, and every TAT is ahead.
+        for i in 0..65 {
+            cells.check(&format!("old-{i}"), &g, 0, 1);
+        }
+        assert_eq!((cells.tats.len(), cells.swept), (65, 65));
+        // A second later every old TAT passed; nothing is swept until the size doubles.
+        for i in 0..65 {
+            cells.check(&format!("new-{i}"), &g, 1_000_000, 1);
+        }
+        assert_eq!(cells.tats.len(), 130);
+        cells.check("new-65", &g, 1_000_000, 1);
+        assert_eq!((cells.tats.len(), cells.swept), (66, 66));
+        assert!(cells.tats.keys().all(|name| name.starts_with("new-")));
     }
 }

@@ -1,5 +1,6 @@
 //! Where the permits live. The semaphore sees one [`Store`] per semaphore name, plus the
-//! [`Waitlist`] its grants are announced to, and never knows which backend is behind them.
+//! [`Waitlist`](crate::waitlist::Waitlist) its grants are announced to, and never knows which
+//! backend is behind them.
 //!
 //! A new backend is one file here: implement `sealed::Open` and `Store` (and `Refresh`, the
 //! touch that waiting needs) from `store.rs`, then list it below.

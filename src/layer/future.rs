@@ -12,8 +12,8 @@ use tower::{BoxError, Service};
 
 use super::body::ResponseBody;
 use super::gate::{Gate, Pass};
-use super::refused::Refused;
 use super::http::HttpSettings;
+use super::refused::Refused;
 use super::token::{FencingToken, scoped};
 use crate::Error;
 

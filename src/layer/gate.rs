@@ -99,25 +99,23 @@ impl Pass for Held {
     }
 }
 
-type Check = Pin<Box<dyn Future<Output = Result<RateDecision, Error>> + Send>>;
+/// A rate check under way: it hands back its limiter with the decision, for the headers.
+type Check = Pin<Box<dyn Future<Output = (RateLimiter, Result<RateDecision, Error>)> + Send>>;
 
 /// The part of the rate layer's response future that spends the request's rate.
 pub struct CheckRate {
     check: Check,
-    limiter: RateLimiter,
 }
 
 impl CheckRate {
-    pub(crate) fn new(check: Check, limiter: RateLimiter) -> Self {
-        CheckRate { check, limiter }
+    pub(crate) fn new(check: Check) -> Self {
+        CheckRate { check }
     }
 }
 
 impl std::fmt::Debug for CheckRate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CheckRate")
-            .field("limiter", &self.limiter.name())
-            .finish_non_exhaustive()
+        f.debug_struct("CheckRate").finish_non_exhaustive()
     }
 }
 
@@ -131,8 +129,8 @@ impl Gate for CheckRate {
     type Pass = Spent;
 
     fn poll_gate(&mut self, cx: &mut Context<'_>) -> Poll<Result<Spent, Refused>> {
-        let decision = std::task::ready!(self.check.as_mut().poll(cx))?;
-        let limiter = self.limiter.clone();
+        let (limiter, decision) = std::task::ready!(self.check.as_mut().poll(cx));
+        let decision = decision?;
         Poll::Ready(if decision.allowed {
             Ok(Spent { limiter, decision })
         } else {

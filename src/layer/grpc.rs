@@ -6,7 +6,7 @@ use http::{HeaderValue, Response};
 use tonic::{Code, Status};
 
 use super::headers::REFUSAL_HEADER;
-use super::http::Refusal;
+use super::refusal::Refusal;
 use crate::Error;
 
 /// No permit or no rate left is `RESOURCE_EXHAUSTED`; a failing backend `UNAVAILABLE` (worth a

@@ -89,6 +89,7 @@ mod key;
 mod layer;
 mod limiter;
 mod partitions;
+pub(crate) mod refusal;
 mod refused;
 mod reserve;
 mod service;

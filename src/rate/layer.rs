@@ -9,8 +9,8 @@ use http::HeaderName;
 use tower::Layer;
 
 use super::limiter::RateLimiter;
-use super::service::DistributedRateLimit;
-use crate::layer::http::Refusal;
+use super::service::{DistributedRateLimit, Shared};
+use crate::layer::refusal::Refusal;
 use crate::layer::{HeaderKey, Http, Plain, Unkeyed, Unweighted};
 
 /// Caps how many requests *start* per period across every process that shares the
@@ -63,16 +63,6 @@ impl<Flavor, Key, Cost> Clone for DistributedRateLimitLayer<Flavor, Key, Cost> {
             shared: self.shared.clone(),
         }
     }
-}
-
-/// What a layer and its services share: the limiter, where a request's key comes from, what
-/// it costs, and the flavour.
-#[derive(Debug, Clone)]
-pub(super) struct Shared<Flavor, Key, Cost> {
-    pub(super) limiter: RateLimiter,
-    pub(super) key: Key,
-    pub(super) cost: Cost,
-    pub(super) flavour: Flavor,
 }
 
 impl DistributedRateLimitLayer {

@@ -117,10 +117,13 @@ impl RateLimiterBuilder {
 
     /// Checks the settings and opens the limiter on `backend`.
     ///
-    /// Fails with [`Error::Config`] for an empty name or one over
-    /// [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes, a missing or zero rate, a zero period,
-    /// a burst of 0, a period × burst too large to compute exactly (over about 140 years of
-    /// microseconds), a local outage limit of 0, or a [`QuorumBackend`](crate::QuorumBackend).
+    /// # Errors
+    ///
+    /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`](crate::MAX_NAME_LEN)
+    /// bytes, a missing or zero rate, a zero period, a burst of 0, a period × burst too large
+    /// to compute exactly (over about 140 years of microseconds), or a local outage limit of
+    /// 0. A [`QuorumBackend`](crate::QuorumBackend) is no `RateBackend`: building a limiter
+    /// on one does not compile.
     pub fn build(self, backend: impl RateBackend) -> Result<RateLimiter, Error> {
         let name = &self.name;
         if name.is_empty() {

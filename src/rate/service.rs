@@ -7,11 +7,21 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower::{BoxError, Service};
 
-use super::layer::Shared;
+use super::limiter::RateLimiter;
 use crate::layer::future::{
     CheckRate, HttpResponseFuture, Limited, ResponseFuture, Stamp, unstamped,
 };
 use crate::layer::{Http, PartitionKey, Plain, Unkeyed, Unweighted, Weigh};
+
+/// What a layer and its services share: the limiter, where a request's key comes from, what
+/// it costs, and the flavour.
+#[derive(Debug, Clone)]
+pub(super) struct Shared<Flavor, Key, Cost> {
+    pub(super) limiter: RateLimiter,
+    pub(super) key: Key,
+    pub(super) cost: Cost,
+    pub(super) flavour: Flavor,
+}
 
 /// The service made by [`DistributedRateLimitLayer`](super::DistributedRateLimitLayer): one
 /// rate check per request, then the inner service.
@@ -77,12 +87,13 @@ impl<S, Flavor, Key, Cost> DistributedRateLimit<S, Flavor, Key, Cost> {
         let cost = self.shared.cost.weigh(&request);
         let limiter = self.shared.limiter.clone();
         let check = Box::pin(async move {
-            match key {
+            let decision = match key {
                 None => limiter.check_n(cost).await,
                 Some(key) => limiter.check_key(&key, cost).await,
-            }
+            };
+            (limiter, decision)
         });
-        let gate = CheckRate::new(check, self.shared.limiter.clone());
+        let gate = CheckRate::new(check);
         let fresh = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, fresh);
         Limited::new(gate, ready, request, false, stamp)

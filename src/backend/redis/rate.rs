@@ -8,7 +8,9 @@ use std::time::Duration;
 use redis::Value;
 use tokio::time::Instant;
 
-use super::{Connection, Lua, RedisBackend, hash_tag, invoke};
+use super::keys::hash_tag;
+use super::script::{Lua, invoke};
+use super::{Connection, RedisBackend};
 use crate::Error;
 use crate::backend::gcra::{
     Gcra, OpenedRate, RateBackend, RateDecision, RateKey, RateStore, sealed::OpenRate,

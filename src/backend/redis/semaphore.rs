@@ -11,7 +11,9 @@ use redis::{Cmd, Value};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
-use super::{Connection, Lua, RedisBackend, hash_tag, invoke, slot_tag};
+use super::keys::{hash_tag, slot_tag};
+use super::script::{Lua, invoke};
+use super::{Connection, RedisBackend};
 use crate::Error;
 use crate::backend::gcra::{RateKey, Rated};
 use crate::backend::store::{Attempt, Member, Mode, Opened, Store, process_tag, sealed::Open};
@@ -34,30 +36,10 @@ const BATCH: usize = 1000;
 
 impl Open for RedisBackend {
     fn open(&self, name: &str, limit: u32, claim: Duration) -> Opened {
-        let base = format!("{}{}", self.prefix, hash_tag(name));
-        let channel = format!("{base}:granted");
+        let store = RedisSemaphore::new(self, name, limit, claim);
         // Grants to this process's members are announced on its own channel (see the script),
         // and reach the waitlist through the hub.
-        let tag = format!("{:08x}", process_tag());
-        let mine = format!("{channel}:{tag}");
-        let waitlist = self.shared.hub.waitlist(&mine);
-        let store = Arc::new_cyclic(|me| RedisSemaphore {
-            me: me.clone(),
-            shared: self.shared.clone(),
-            keys: ["holders", "meta", "queue", "alive", "since"].map(|key| format!("{base}:{key}")),
-            promoted: self
-                .shared
-                .promotion_fence
-                .map(|fence| (format!("{}dlimit-promoted", self.prefix), fence)),
-            warned: AtomicBool::new(false),
-            limit,
-            channel,
-            tag,
-            claim,
-            base: Instant::now(),
-            clock: Mutex::new(None),
-            outbox: Mutex::default(),
-        });
+        let waitlist = (self.shared.hub).waitlist(&format!("{}:{}", store.channel, store.tag));
         Opened { store, waitlist }
     }
 }
@@ -115,6 +97,26 @@ struct Queued {
 }
 
 impl RedisSemaphore {
+    /// The semaphore `name` on `backend`, built with `limit` and the claim window `claim`.
+    fn new(backend: &RedisBackend, name: &str, limit: u32, claim: Duration) -> Arc<Self> {
+        let base = format!("{}{}", backend.prefix, hash_tag(name));
+        Arc::new_cyclic(|me| RedisSemaphore {
+            me: me.clone(),
+            shared: backend.shared.clone(),
+            keys: ["holders", "meta", "queue", "alive", "since"].map(|key| format!("{base}:{key}")),
+            promoted: (backend.shared.promotion_fence)
+                .map(|fence| (format!("{}dlimit-promoted", backend.prefix), fence)),
+            warned: AtomicBool::new(false),
+            limit,
+            channel: format!("{base}:granted"),
+            tag: format!("{:08x}", process_tag()),
+            claim,
+            base: Instant::now(),
+            clock: Mutex::new(None),
+            outbox: Mutex::default(),
+        })
+    }
+
     fn outbox(&self) -> MutexGuard<'_, Outbox> {
         lock(&self.outbox)
     }
@@ -336,21 +338,7 @@ impl RedisSemaphore {
 
     /// Sends the acquires queued behind the call that `sending` was for.
     async fn send_queued(mut sending: Sending<Arc<RedisSemaphore>>) {
-        // The oldest queued acquires that go with the same rate limiter (or none), in order.
-        let queued: Vec<Queued> = {
-            let mut outbox = sending.semaphore.outbox();
-            fn limiter(q: &Queued) -> Option<&RateKey> {
-                q.rate.as_ref().map(|rate| &rate.limiter)
-            }
-            let first = outbox.acquires.first().and_then(limiter);
-            let take = outbox
-                .acquires
-                .iter()
-                .take(BATCH)
-                .take_while(|q| limiter(q) == first)
-                .count();
-            outbox.acquires.drain(..take).collect()
-        };
+        let queued = next_call(&mut sending.semaphore.outbox().acquires);
         let members: Vec<_> = queued
             .iter()
             .map(|q| (&q.member, q.mode, q.rate.as_ref()))
@@ -491,6 +479,20 @@ impl RedisSemaphore {
             _ => Err(unexpected(reply)),
         }
     }
+}
+
+/// The acquires that go in the next call: the oldest queued that go with the same rate limiter
+/// (or none), at most [`BATCH`], in order.
+fn next_call(acquires: &mut Vec<Queued>) -> Vec<Queued> {
+    fn limiter(q: &Queued) -> Option<&RateKey> {
+        q.rate.as_ref().map(|rate| &rate.limiter)
+    }
+    let first = acquires.first().and_then(limiter);
+    let take = (acquires.iter())
+        .take(BATCH)
+        .take_while(|q| limiter(q) == first)
+        .count();
+    acquires.drain(..take).collect()
 }
 
 /// Lowers the flush flag when dropped.
@@ -799,4 +801,210 @@ fn unexpected(reply: &Value) -> Error {
         ),
         None,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::gcra::Gcra;
+
+    const LEASE: Duration = Duration::from_secs(30);
+
+    /// A semaphore on a server never reached: every call fails at once (nothing listens on
+    /// port 1), so what the outbox does is all there is to see.
+    fn unreachable() -> Arc<RedisSemaphore> {
+        let backend = RedisBackend::builder("redis://127.0.0.1:1")
+            .connect_lazy()
+            .unwrap();
+        RedisSemaphore::new(&backend, "outbox", 5, Duration::from_secs(1))
+    }
+
+    /// Lets the spawned tasks run until `done` holds.
+    async fn settle(done: impl Fn() -> bool) {
+        for _ in 0..1000 {
+            if done() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the outbox never got there");
+    }
+
+    fn acquire(
+        semaphore: &Arc<RedisSemaphore>,
+        member: &Member,
+    ) -> tokio::task::JoinHandle<Result<Attempt, Error>> {
+        let (semaphore, member) = (semaphore.clone(), member.clone());
+        tokio::spawn(
+            async move { (semaphore.acquire_batched(&member, Mode::Join, None, None)).await },
+        )
+    }
+
+    /// What an acquire was answered, which must come soon.
+    async fn answer(
+        waiter: tokio::task::JoinHandle<Result<Attempt, Error>>,
+    ) -> Result<Attempt, Error> {
+        let answer = tokio::time::timeout(Duration::from_secs(5), waiter).await;
+        answer.expect("the acquire is answered").unwrap()
+    }
+
+    fn queued(semaphore: &RedisSemaphore) -> Vec<Arc<str>> {
+        let outbox = semaphore.outbox();
+        outbox.acquires.iter().map(|q| q.member.clone()).collect()
+    }
+
+    #[tokio::test]
+    async fn acquires_that_arrive_during_a_call_wait_for_it_then_go_in_the_next() {
+        let semaphore = unreachable();
+        semaphore.outbox().sending = true;
+        let (a, b) = (Member::new(1, LEASE), Member::new(2, LEASE));
+        let (first, second) = (acquire(&semaphore, &a), acquire(&semaphore, &b));
+        settle(|| queued(&semaphore).len() == 2).await;
+        assert_eq!(queued(&semaphore), [a.text, b.text]);
+        assert!(!first.is_finished() && !second.is_finished());
+
+        // The call in flight is answered: the queued ones go next, and are answered by it.
+        semaphore.pass_on(true);
+        for waiter in [first, second] {
+            assert!(matches!(answer(waiter).await, Err(Error::Backend(_))));
+        }
+        settle(|| !semaphore.outbox().sending).await;
+        assert!(queued(&semaphore).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_call_given_up_leaves_each_queued_acquire_to_send_its_own() {
+        let semaphore = unreachable();
+        semaphore.outbox().sending = true;
+        let waiter = acquire(&semaphore, &Member::new(1, LEASE));
+        settle(|| queued(&semaphore).len() == 1).await;
+        semaphore.pass_on(false);
+        // Not left waiting for a call nobody makes: it sent its own (and Redis is down).
+        assert!(matches!(answer(waiter).await, Err(Error::Backend(_))));
+        settle(|| !semaphore.outbox().sending).await;
+    }
+
+    #[tokio::test]
+    async fn an_acquire_whose_caller_gave_up_is_not_sent() {
+        let semaphore = unreachable();
+        semaphore.outbox().sending = true;
+        let waiter = acquire(&semaphore, &Member::new(1, LEASE));
+        settle(|| queued(&semaphore).len() == 1).await;
+        waiter.abort();
+        assert!(waiter.await.unwrap_err().is_cancelled());
+        semaphore.pass_on(true);
+        // Nothing is left to send, so no call follows.
+        let outbox = semaphore.outbox();
+        assert!(outbox.acquires.is_empty() && !outbox.sending);
+    }
+
+    #[tokio::test]
+    async fn releases_wait_for_the_acquire_call_in_flight_then_are_flushed() {
+        let semaphore = unreachable();
+        semaphore.outbox().sending = true;
+        let member = Member::new(1, LEASE);
+        semaphore.release_later(member.clone());
+        {
+            let outbox = semaphore.outbox();
+            assert_eq!(outbox.releases, [member.text]);
+            assert!(!outbox.flush_pending, "the call in flight carries it on");
+        }
+        semaphore.pass_on(true);
+        assert!(semaphore.outbox().flush_pending);
+        // The flush fails (Redis is down) and drops the release: its lease frees the slot.
+        settle(|| {
+            let outbox = semaphore.outbox();
+            outbox.releases.is_empty() && !outbox.flush_pending
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn releases_of_a_call_never_answered_go_back_to_be_sent_again() {
+        let semaphore = unreachable();
+        let member = Member::new(1, LEASE);
+        drop(Carried {
+            semaphore: &semaphore,
+            members: vec![member.text.clone()],
+            settled: false,
+        });
+        {
+            let outbox = semaphore.outbox();
+            assert_eq!(outbox.releases, [member.text]);
+            assert!(outbox.flush_pending);
+        }
+        // Sent again once; that call fails, and a failed call's releases are not retried.
+        settle(|| semaphore.outbox().releases.is_empty()).await;
+    }
+
+    #[test]
+    fn a_flush_that_could_not_start_does_not_hold_up_later_ones() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let semaphore = runtime.block_on(async { unreachable() });
+        let (a, b) = (Member::new(1, LEASE), Member::new(2, LEASE));
+        // Outside a runtime, no task can be spawned: the release waits for the next call.
+        semaphore.release_later(a.clone());
+        {
+            let outbox = semaphore.outbox();
+            assert_eq!(outbox.releases, [a.text]);
+            assert!(!outbox.flush_pending);
+        }
+        runtime.block_on(async {
+            semaphore.release_later(b);
+            assert!(semaphore.outbox().flush_pending);
+            settle(|| semaphore.outbox().releases.is_empty()).await;
+        });
+    }
+
+    #[test]
+    fn a_call_takes_the_oldest_acquires_of_one_rate_limiter() {
+        let rated = |key: &str| Rated {
+            limiter: RateKey {
+                backend: 1,
+                key: key.into(),
+                gcra: Gcra {
+                    rate: 10,
+                    period_us: 1_000_000,
+                    burst: 10,
+                },
+            },
+            cost: 1,
+        };
+        let queue = |rates: Vec<Option<Rated>>| -> Vec<Queued> {
+            (rates.into_iter())
+                .map(|rate| Queued {
+                    member: Member::new(1, LEASE).text,
+                    mode: Mode::Join,
+                    rate,
+                    until: None,
+                    reply: oneshot::channel().0,
+                })
+                .collect()
+        };
+        let mut acquires = queue(vec![
+            None,
+            None,
+            Some(rated("x")),
+            Some(rated("x")),
+            Some(rated("y")),
+            None,
+        ]);
+        let order: Vec<Arc<str>> = acquires.iter().map(|q| q.member.clone()).collect();
+        let mut calls = Vec::new();
+        while !acquires.is_empty() {
+            calls.push(next_call(&mut acquires));
+        }
+        let sizes: Vec<usize> = calls.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [2, 2, 1, 1]);
+        let sent: Vec<Arc<str>> = calls.into_iter().flatten().map(|q| q.member).collect();
+        assert_eq!(sent, order, "in the order they arrived");
+
+        // However many wait, one call carries at most BATCH.
+        let mut acquires = queue((0..BATCH + 1).map(|_| None).collect());
+        assert_eq!(next_call(&mut acquires).len(), BATCH);
+        assert_eq!(acquires.len(), 1);
+    }
 }

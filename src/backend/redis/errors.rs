@@ -1,0 +1,117 @@
+//! What a Redis failure means, in words that say what to do: a first connection that failed
+//! ([`connect_error`]), a call that failed ([`redis_error`]), and which failures pass by
+//! themselves, so a call is asked again ([`is_transient`]).
+
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+use super::connection::{Nodes, Target};
+use crate::Error;
+use crate::backend::health;
+
+/// A server state that passes by itself: loading its data set after a restart (`LOADING`),
+/// running a long script (`BUSY`), a cluster slot moving (`TRYAGAIN`), no master (`MASTERDOWN`).
+pub(super) fn is_transient(e: &RedisError) -> bool {
+    matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry)
+        || e.code() == Some("BUSY")
+        // A replica, or a master demoted meanwhile: through Sentinel, the next attempt asks
+        // the sentinels for the master first.
+        || e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+}
+
+/// A first connection that failed: what failed, and what to check.
+pub(super) fn connect_error(e: RedisError, target: &Target, label: &str) -> Error {
+    let text = health::short(&e);
+    // Only where the message leaves the Redis text out is the error kept as the source: its
+    // own chain repeats the text.
+    let mut source = None;
+    let message = if let Nodes::Sentinel(_, master) = &target.nodes {
+        format!(
+            "cannot reach the master {master:?} through the sentinels ({text}); check the \
+             sentinel URLs, that they monitor a master of that name, and that it is up"
+        )
+    } else if let Some(problem) = access_problem(&e) {
+        format!("cannot connect to Redis at {label}: {problem}")
+    } else if target.tls && text.contains("certificate") {
+        format!(
+            "cannot open a TLS connection to Redis at {label}: the server's certificate is not \
+             trusted ({text}); add the CA that signed it with \
+             RedisBackendBuilder::add_root_certificate_pem, and check the host name it was \
+             issued for"
+        )
+    } else if target.tls {
+        format!(
+            "cannot open a TLS connection to Redis at {label} ({text}); check that the server \
+             is up and speaks TLS on this port (a plain-TCP port never answers the handshake)"
+        )
+    } else if e.is_connection_refusal() {
+        source = Some(Box::new(e) as _);
+        format!(
+            "cannot connect to Redis at {label}: connection refused; check that the server is \
+             up and the URL's host and port are right (connect_lazy starts without it)"
+        )
+    } else {
+        format!(
+            "cannot connect to Redis at {label} ({text}); check that the server is up and \
+             reachable (connect_lazy starts without it)"
+        )
+    };
+    Error::backend(message, source)
+}
+
+/// Credentials or permissions the server refused, in words that say what to change.
+fn access_problem(e: &RedisError) -> Option<&'static str> {
+    let code = e.code();
+    if e.kind() == ErrorKind::AuthenticationFailed || matches!(code, Some("NOAUTH" | "WRONGPASS")) {
+        Some(
+            "authentication failed (no password, or a wrong one); put the credentials in the \
+             URL (redis://:password@host:port, or redis://user:password@host:port with ACLs) or \
+             in the ConnectionInfo given to the builder",
+        )
+    } else if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) {
+        Some(
+            "the Redis user lacks a permission (ACL NOPERM); allow it EVAL, EVALSHA, PUBLISH, \
+             SUBSCRIBE, WAIT and PING (SPUBLISH/SSUBSCRIBE on a Cluster) on the keys and \
+             channels under the key prefix",
+        )
+    } else {
+        None
+    }
+}
+
+/// Says what a Redis failure of `what` on the server `label` means and what to do; the
+/// Redis error stays the [`source`](std::error::Error::source) where the message leaves its
+/// text out, so no text is repeated down the chain.
+pub(super) fn redis_error(e: RedisError, what: &str, label: &str) -> Error {
+    let message = if let Some(problem) = access_problem(&e) {
+        // The server's words add nothing here, and its error's chain repeats them.
+        return Error::backend(
+            format!("Redis at {label} refused `{what}`: {problem}"),
+            None,
+        );
+    } else if e.is_timeout() {
+        format!(
+            "Redis at {label} did not answer `{what}` within the call timeout; it may be \
+             overloaded, paused or unreachable. Calls fail at once until it answers again"
+        )
+    } else if e.is_connection_refusal() {
+        format!(
+            "Redis at {label} refused the connection for `{what}`; check that the server is up. \
+             The connection is re-established by itself once it is"
+        )
+    } else if e.is_io_error() || e.is_connection_dropped() {
+        format!(
+            "lost the connection to Redis at {label} during `{what}`; it is re-established by \
+             itself once the server answers"
+        )
+    } else if e.code() == Some("WRONGTYPE") {
+        "a key of this semaphore holds a value of another type; something else writes under \
+         the key prefix: choose another RedisBackend::key_prefix or delete the key"
+            .to_owned()
+    } else {
+        return Error::backend(
+            format!("Redis at {label} rejected `{what}`: {}", health::short(&e)),
+            None,
+        );
+    };
+    Error::backend(message, Some(Box::new(e) as _))
+}
