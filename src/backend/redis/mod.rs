@@ -3,7 +3,7 @@
 //!
 //! Five keys per semaphore (holders, meta, the waiting line, its liveness deadlines, grant
 //! times), all under the `{name}` hash tag (`keys.rs`); every operation is one call of
-//! `lua/semaphore.lua` (see `semaphore.rs`), invoked by SHA (sent whole on NOSCRIPT) through
+//! `lua/semaphore/` (see `semaphore.rs`), invoked by SHA (sent whole on NOSCRIPT) through
 //! `script.rs`. Grants to queued waiters are published on the semaphore's channel; a
 //! process's waiters share the backend's one multiplexed RESP3 connection, subscribed to a
 //! channel only while someone waits on it (`announce.rs`). `builder.rs` makes the backend and
@@ -96,7 +96,7 @@ struct Connection {
     /// The eviction policy last warned about.
     eviction: Eviction,
     /// Through Sentinel, the promotion fence every semaphore call carries: after a failover,
-    /// the new master grants nothing new for a lease and this long (see `lua/semaphore.lua`),
+    /// the new master grants nothing new for a lease and this long (see `lua/semaphore/`),
     /// so the grants the old master made that never reached it, and those it made to
     /// processes that had not heard of the failover, have ended by then. It is the oldest
     /// word of the sentinels a call may act on, plus the call's own time.

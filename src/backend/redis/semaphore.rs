@@ -1,4 +1,4 @@
-//! One semaphore in Redis: its keys, every operation as one call of `lua/semaphore.lua`, and
+//! One semaphore in Redis: its keys, every operation as one call of `lua/semaphore/`, and
 //! the outbox that lets concurrent operations of this process share calls (releases ride on the
 //! next call; acquires that arrive while one is in flight go together in the next: a group
 //! commit).
@@ -24,7 +24,12 @@ use crate::waitlist::{ClockReading, PATIENCE, Refresh, Status};
 /// Every operation on a semaphore, in one script.
 static SEMAPHORE: Lua = Lua::new(concat!(
     include_str!("../lua/gcra.lua"),
-    include_str!("../lua/semaphore.lua")
+    include_str!("../lua/semaphore/args.lua"),
+    include_str!("../lua/semaphore/fence.lua"),
+    include_str!("../lua/semaphore/sweep.lua"),
+    include_str!("../lua/semaphore/holders.lua"),
+    include_str!("../lua/semaphore/line.lua"),
+    include_str!("../lua/semaphore/ops.lua")
 ));
 
 /// How far ahead of its readings so far the server's clock may read before this process
@@ -56,7 +61,7 @@ struct RedisSemaphore {
     /// digits of the member's id.
     channel: String,
     /// This process's tag, sent with every call: a call is news that the process is alive
-    /// (see the silent processes of `lua/semaphore.lua`).
+    /// (see the silent processes of `lua/semaphore/`).
     tag: String,
     /// How long a grant to a waiter stays provisional (`SemaphoreBuilder::claim_window`).
     claim: Duration,

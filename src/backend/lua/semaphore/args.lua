@@ -1,0 +1,123 @@
+-- One distributed, first-come-first-served semaphore. Every operation is one call of this
+-- script, so it runs atomically; times come from the Redis server clock, never a client's.
+-- The script is this file and the five after it, in order (fence, sweep, holders, line, ops;
+-- `semaphore.rs` joins them after `gcra.lua`); each part's locals are the next parts' too.
+--
+-- KEYS[1] holders: zset, member -> lease deadline (ms)
+-- KEYS[2] meta:    hash, `used` = weight of the live holders, `count` = how many they are,
+--                  `fence` = last fencing token, `horizon` = when holders and meta expire (ms),
+--                  `limit` = the limit every process admits by, `pinned` = 1 when an operator set
+--                  it (then meta never expires); otherwise the first process's configured limit,
+--                  which goes with the other keys when the semaphore falls idle; `line` = when
+--                  queue and alive expire (ms), `arrived` = the last arrival score given
+--                  (µs), so arrivals in one call or one microsecond keep their order;
+--                  `p:<member>` = 1 for a provisional grant not claimed yet (`pending`
+--                  counts them), `s:<process tag>`
+--                  = when a provisional grant of that process ran out unclaimed (ms): the
+--                  process is silent (frozen or dead), and its other waiters are passed over
+--                  until it makes a call
+-- KEYS[3] queue:   zset, member -> arrival (µs, strictly increasing): who waits, oldest first
+-- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
+-- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
+-- KEYS[6] (acquire only, optional) a rate limiter's key, decided with the acquires
+-- KEYS[#KEYS] (with a promotion fence) promoted: hash, `id` = the replication id under which
+--                  this server was first seen promoted from a replica, `at` = when (ms); one
+--                  key for every semaphore of the server (used through Sentinel only)
+-- A member is "<holder id>:<weight>:<lease ms>", the id's first 8 hex digits naming its
+-- process. All keys share one hash tag (one Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
+-- when nothing is held past that horizon); queue and alive expire with the latest waiter
+-- deadline.
+--
+-- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
+-- patience ms, claim ms, promotion fence ms (0: none), the caller's process tag, k, then k
+-- members to release
+-- (holders or waiters; absent ones are ignored), then the operation's arguments:
+--   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
+--       -> per member, in order: {1, token, left µs, now µs, limit} granted
+--          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
+--          | {4, retry µs, limit} refused by the rate limit (nothing added, nothing spent)
+--          (`limit`: the limit in force); a member also released by this call is not added.
+--          With KEYS[6] (a rate limiter's key, `gcra` of lua/gcra.lua) and rate > 0, a member
+--          that would be granted at once is granted only if the rate allows its cost, spent
+--          in the same call; one that queues spends nothing
+--   release                      -> how many of the k members held or waited
+--   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
+--                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
+--   renew <member>...            -> {now µs, then per member: µs left of its new lease, or 0 if
+--                                   it no longer holds (expired or removed: it is never added
+--                                   back)}
+--   used                         -> live weight
+--   set_limit <n>                -> 1; every process admits by n from now on (pinned)
+--   evict <id>                   -> 1 if the holder with that id was removed, else 0
+--   snapshot                     -> {limit, used, waiting, now ms, then per holder: member,
+--                                    deadline ms, granted ms}
+-- An acquire whose weight is above the limit in force answers {3, limit}.
+-- "left µs" is a deadline minus the server time of this call, exact to the µs: a client that
+-- adds it to the moment it sent the call never believes a lease past the server's.
+-- Whenever queued waiters fit they are admitted in arrival order, each with a provisional lease
+-- of at most `claim` ms (and half its lease) that the waiter's process claims (touch or renew)
+-- to get its full lease; each grant is published as "<member> <token> <deadline ms>" on
+-- "<channel>:<the member's process>", which only that process subscribes to. "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
+local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local op, channel, publisher, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
+local promotion_fence = tonumber(ARGV[7])
+local caller = ARGV[8]
+local released = tonumber(ARGV[9])
+local args = 10 + released
+if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
+  return redis.error_reply('unknown publish command ' .. tostring(publisher))
+end
+
+local time = redis.call('TIME')
+local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = math.floor(now_us / 1000)
+
+-- Lua numbers are doubles: every integer sent to Redis is written here, as `%d` (`tostring`
+-- would write 1.7e+15, and a number passed to redis.call as it is goes through %.17g, which
+-- costs twice as much).
+local function int(n)
+  return string.format('%d', n)
+end
+
+local function parse(member)
+  local weight, lease = string.match(member, ':(%d+):(%d+)$')
+  return tonumber(weight) or 0, tonumber(lease) or 0
+end
+
+local function left(deadline)
+  return deadline * 1000 - now_us
+end
+
+local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
+  'line', 'arrived', 'pending', 's:' .. caller)
+local used, count = tonumber(stored[1]), tonumber(stored[2])
+local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
+local line = tonumber(stored[7]) or 0
+local arrived = tonumber(stored[8]) or 0
+-- How many holders hold a provisional grant (a `p:` field each).
+local pending = tonumber(stored[9]) or 0
+local changed = false
+
+-- A provisional grant is claimed (extended for a full lease) or gone: true if it was one.
+local function settle_pending(member)
+  if pending > 0 and redis.call('HDEL', meta, 'p:' .. member) == 1 then
+    pending = pending - 1
+    changed = true
+    return true
+  end
+  return false
+end
+-- One limit for every process: the one stored with the semaphore, else this caller's, stored
+-- for the others to adopt.
+local pinned = stored[6] == '1'
+if tonumber(stored[5]) then
+  limit = tonumber(stored[5])
+else
+  changed = true
+end
+if op == 'set_limit' then
+  limit = tonumber(ARGV[args])
+  pinned = true
+  changed = true
+end

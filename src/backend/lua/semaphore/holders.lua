@@ -1,0 +1,80 @@
+-- Part 4 of the semaphore script: holders granted, extended and released; an operator's evict.
+
+-- Holders and meta outlive the latest lease by at most half a lease (meta's TTL is set once,
+-- at the end).
+local function cover(lease)
+  if now + lease > horizon then
+    horizon = now + lease + math.floor(lease / 2)
+    redis.call('PEXPIREAT', holders, int(horizon))
+    changed = true
+  end
+end
+
+-- Adds a holder (of `weight`, with `lease`, parsed from `member`) for `term` ms (at most its
+-- lease); returns its token and deadline.
+local function grant(member, weight, lease, term)
+  local deadline = now + math.min(term, lease)
+  redis.call('ZADD', holders, int(deadline), member)
+  redis.call('HSET', since, member, int(now))
+  used = used + weight
+  count = count + 1
+  -- Strictly increasing; the server time in µs as a floor keeps the token above every token
+  -- issued before the counter expired in an idle spell.
+  fence = math.max(fence + 1, now_us)
+  cover(lease)
+  changed = true
+  return fence, deadline
+end
+
+-- Pushes a holder's deadline to a full lease from now (never shortens it, never re-adds a
+-- holder that is gone); returns the deadline, or nil when it no longer holds.
+local function extend(member)
+  local deadline = tonumber(redis.call('ZSCORE', holders, member))
+  if not deadline then
+    return nil
+  end
+  local _, lease = parse(member)
+  if now + lease > deadline then
+    deadline = now + lease
+    redis.call('ZADD', holders, 'XX', int(deadline), member)
+    settle_pending(member)
+    cover(lease)
+    changed = true
+  end
+  return deadline
+end
+
+local removed = 0
+for i = 10, args - 1 do
+  local member = ARGV[i]
+  if redis.call('ZREM', holders, member) == 1 then
+    redis.call('HDEL', since, member)
+    settle_pending(member)
+    used = used - parse(member)
+    count = count - 1
+    changed = true
+    removed = removed + 1
+  elseif redis.call('ZREM', queue, member) == 1 then
+    redis.call('ZREM', alive, member)
+    removed = removed + 1
+  end
+end
+
+-- An operator evicts a stuck holder by its id; its slot goes to the line below.
+local evicted = 0
+if op == 'evict' then
+  local cursor = '0'
+  repeat
+    local page = redis.call('ZSCAN', holders, cursor, 'MATCH', ARGV[args] .. ':*', 'COUNT', 1000)
+    cursor = page[2][1] and '0' or page[1]
+    local member = page[2][1]
+    if member and redis.call('ZREM', holders, member) == 1 then
+      redis.call('HDEL', since, member)
+      settle_pending(member)
+      used = used - parse(member)
+      count = count - 1
+      changed = true
+      evicted = 1
+    end
+  until cursor == '0'
+end

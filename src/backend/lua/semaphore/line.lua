@@ -1,0 +1,137 @@
+-- Part 5 of the semaphore script: the line, first come first served: waiters admitted in
+-- arrival order, queued, and the retry hint.
+
+-- Admit waiters in arrival order while the oldest fits; forget waiters that stopped answering
+-- (and any whose liveness entry is gone).
+local granted = {}
+local waiting = redis.call('ZCARD', queue)
+if waiting > 0 then
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', alive, '-inf', int(now))) do
+    redis.call('ZREM', queue, member)
+    redis.call('ZREM', alive, member)
+  end
+  -- The line's head, read a few at a time: a release usually admits one waiter and finds the
+  -- next one not fitting, which one read answers. Every member read is taken out of the line
+  -- or passed over before the next read, so a read always starts just after those passed.
+  local head, at, passed = {}, 1, 0
+  local function next_in_line()
+    if at > #head then
+      head, at = redis.call('ZRANGE', queue, passed, passed + 3), 1
+    end
+    at = at + 1
+    return head[at - 1]
+  end
+  -- Waiters of a silent process keep their place but are passed over (at most 64 a call, so
+  -- a frozen process with a long line costs a bounded read).
+  local silent = {}
+  local function oldest()
+    local member = next_in_line()
+    while member do
+      local tag = string.sub(member, 1, 8)
+      if silent[tag] == nil then
+        silent[tag] = still_silent(tonumber(redis.call('HGET', meta, 's:' .. tag)))
+      end
+      if not silent[tag] then
+        return member
+      end
+      if passed >= 64 then
+        return nil
+      end
+      passed = passed + 1
+      member = next_in_line()
+    end
+    return nil
+  end
+  while true do
+    local member = oldest()
+    while member and parse(member) > limit do
+      -- Heavier than the limit now in force: it would block the line for ever. Dropped, it
+      -- learns at its next refresh and is refused.
+      redis.call('ZREM', queue, member)
+      redis.call('ZREM', alive, member)
+      member = oldest()
+    end
+    local weight, lease = 0, 0
+    if member then
+      weight, lease = parse(member)
+    end
+    if not member or used + weight > limit or not settled(lease) then
+      waiting = member and 1 or 0
+      break
+    end
+    redis.call('ZREM', queue, member)
+    if redis.call('ZREM', alive, member) == 1 then
+      local term = math.min(claim, math.max(math.floor(lease / 2), 1))
+      local token, deadline = grant(member, weight, lease, term)
+      redis.call('HSET', meta, 'p:' .. member, 1)
+      pending = pending + 1
+      granted[member] = token
+      -- On the channel of the member's process only (its id starts with the process's tag).
+      redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
+        member .. ' ' .. int(token) .. ' ' .. int(deadline))
+    end
+  end
+end
+
+-- The line's keys expire after the latest waiter's deadline (`line`, kept in meta), pushed half
+-- a patience further each time, so most joins and touches need no PEXPIREAT; a line created by
+-- this call always gets one.
+local line_was_empty = waiting == 0
+local function wait(member)
+  local deadline = now + patience
+  redis.call('ZADD', alive, int(deadline), member)
+  if line_was_empty or deadline > line then
+    line_was_empty = false
+    line = deadline + math.floor(patience / 2)
+    redis.call('PEXPIREAT', queue, int(line))
+    redis.call('PEXPIREAT', alive, int(line))
+    changed = true
+  end
+end
+
+-- Time until the earliest lease ends or the promotion fence lets a grant through (at least
+-- 1 ms), or the patience when neither is due. Provisional grants are looked past (a few of
+-- them): they are claimed or given back within the claim window, and a release admits the
+-- next waiter itself, so waiters polling for their end would only load the server.
+local function retry_in()
+  local due = nil
+  if pending == 0 then
+    due = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
+  elseif pending < count then
+    local firsts = redis.call('ZRANGE', holders, 0, 7, 'WITHSCORES')
+    for i = 1, #firsts, 2 do
+      if redis.call('HEXISTS', meta, 'p:' .. firsts[i]) == 0 then
+        due = tonumber(firsts[i + 1])
+        break
+      end
+    end
+  end
+  if fenced_until and (not due or fenced_until < due) then
+    due = fenced_until
+  end
+  if due then
+    return math.max(due - now, 1)
+  end
+  return patience
+end
+
+-- A known member's state: a holder, claimed for a full lease since its process is alive (a
+-- grant whose announcement may have been lost gets a fresh token), a waiter (its deadline
+-- pushed back), or unknown.
+local function status(member)
+  local deadline = extend(member)
+  if deadline then
+    local token = granted[member]
+    if not token then
+      fence = math.max(fence + 1, now_us)
+      token = fence
+      changed = true
+    end
+    return 1, token, left(deadline)
+  end
+  if waiting > 0 and redis.call('ZSCORE', queue, member) then
+    wait(member)
+    return 2, 0, 0
+  end
+  return 0, 0, 0
+end

@@ -1,0 +1,145 @@
+-- Part 6 of the semaphore script: each operation's work and reply.
+
+local reply
+if op == 'acquire' then
+  -- Several acquires of one process may share a call; each is decided in turn, in arrival
+  -- order, as if made alone. One released by this very call was cancelled by its caller
+  -- meanwhile: it is not added.
+  local cancelled = {}
+  for i = 10, args - 1 do
+    cancelled[ARGV[i]] = true
+  end
+  -- A rate limit (KEYS[6]) decided with each acquire that would be granted at once.
+  local rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
+  local rated = KEYS[6] ~= nil and KEYS[6] ~= promoted_key and rate > 0
+  reply = {}
+  for i = args + 3, #ARGV - 2, 3 do
+    local member, mode, cost = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+    local weight, lease = parse(member)
+    local state, token, rest = 0, 0, 0
+    if mode == 'recheck' then
+      state, token, rest = status(member)
+    end
+    local answer
+    if state ~= 1 and weight > limit then
+      answer = {3, limit}
+    elseif state == 1 then
+      answer = {1, token, rest, now_us, limit}
+    elseif state == 2 then
+      answer = {2, 0, now_us, limit}
+    elseif cancelled[member] then
+      answer = {0, 0, now_us, limit}
+    elseif waiting == 0 and used + weight <= limit and settled(lease) then
+      local allowed, retry_us = true, 0
+      if rated and cost > 0 then
+        local _
+        allowed, _, retry_us = gcra(KEYS[6], rate, period, burst, cost, now_us)
+      end
+      if allowed then
+        local deadline
+        token, deadline = grant(member, weight, lease, lease)
+        answer = {1, token, left(deadline), now_us, limit}
+      else
+        answer = {4, retry_us, limit}
+      end
+    elseif mode ~= 'once' then
+      -- Strictly after every earlier arrival, so members queued by one call (or by two calls
+      -- in the same microsecond) are served in the order they came.
+      arrived = math.max(now_us, arrived + 1)
+      redis.call('ZADD', queue, int(arrived), member)
+      changed = true
+      waiting = 1
+      wait(member)
+      answer = {2, 0, now_us, limit}
+    else
+      answer = {0, 0, now_us, limit}
+    end
+    table.insert(reply, answer)
+  end
+  -- Those not granted learn when the earliest lease ends, read once after every decision.
+  local retry = nil
+  for _, answer in ipairs(reply) do
+    if answer[1] == 0 or answer[1] == 2 then
+      retry = retry or retry_in()
+      answer[2] = retry
+    end
+  end
+elseif op == 'release' then
+  reply = removed
+elseif op == 'touch' then
+  reply = {retry_in()}
+  for i = args, #ARGV do
+    local state, token, rest = status(ARGV[i])
+    table.insert(reply, state)
+    table.insert(reply, token)
+    table.insert(reply, rest)
+  end
+elseif op == 'renew' then
+  reply = {now_us}
+  for i = args, #ARGV do
+    local deadline = extend(ARGV[i])
+    table.insert(reply, deadline and left(deadline) or 0)
+  end
+elseif op == 'used' then
+  reply = math.max(used, 0)
+elseif op == 'set_limit' then
+  reply = 1
+elseif op == 'evict' then
+  reply = evicted
+elseif op == 'snapshot' then
+  reply = {limit, math.max(used, 0), redis.call('ZCARD', queue), now}
+  for _, entry in ipairs(redis.call('ZRANGE', holders, 0, -1, 'WITHSCORES')) do
+    table.insert(reply, entry)
+  end
+  local at = 5
+  while at <= #reply do
+    table.insert(reply, at + 2, tonumber(redis.call('HGET', since, reply[at])) or 0)
+    at = at + 3
+  end
+else
+  return redis.error_reply('unknown semaphore operation ' .. tostring(op))
+end
+
+if changed then
+  if count <= 0 and not pinned and horizon <= now then
+    -- Nothing held and nothing to remember: nothing stays behind (the token floor survives
+    -- the lost counter). Otherwise meta, with the limit in force, lives until the horizon.
+    redis.call('DEL', meta)
+  else
+    -- The fields that change on every grant and release, and the rest only when they did.
+    local fields = {'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence)}
+    if horizon ~= tonumber(stored[4]) then
+      table.insert(fields, 'horizon')
+      table.insert(fields, int(horizon))
+    end
+    if line ~= tonumber(stored[7] or 0) then
+      table.insert(fields, 'line')
+      table.insert(fields, int(line))
+    end
+    if arrived ~= tonumber(stored[8] or 0) then
+      table.insert(fields, 'arrived')
+      table.insert(fields, int(arrived))
+    end
+    if pending ~= tonumber(stored[9] or 0) then
+      table.insert(fields, 'pending')
+      table.insert(fields, int(math.max(pending, 0)))
+    end
+    if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
+      table.insert(fields, 'limit')
+      table.insert(fields, int(limit))
+      table.insert(fields, 'pinned')
+      table.insert(fields, pinned and '1' or '0')
+    end
+    redis.call('HSET', meta, unpack(fields))
+    if horizon ~= tonumber(stored[4]) then
+      redis.call('PEXPIREAT', since, int(horizon))
+      if not pinned then
+        redis.call('PEXPIREAT', meta, int(horizon))
+      end
+    end
+    if pinned then
+      redis.call('PERSIST', meta)
+    end
+  end
+end
+return reply

@@ -1,0 +1,96 @@
+-- Part 3 of the semaphore script: expired holders out, the clamps for a clock stepped back,
+-- the silent processes, and the counters checked against the members they count.
+
+-- Drop holders whose lease has passed, if the earliest has.
+local earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
+local expired = {}
+if earliest and earliest <= now then
+  local until_now = int(now)
+  expired = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now)
+  redis.call('ZREMRANGEBYSCORE', holders, '-inf', until_now)
+  redis.call('HDEL', since, unpack(expired))
+  changed = true
+end
+-- The server's clock stepped back: deadlines set before the step lie more than a lease ahead
+-- and would keep their slots a step too long. Each is clamped to now + its lease (one read
+-- when the clock is sane); so are the waiters' liveness deadlines, to now + patience.
+local function clamp(key, span_of)
+  local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if not latest[2] or tonumber(latest[2]) <= now + span_of(latest[1]) then
+    return false
+  end
+  local entries = redis.call('ZRANGEBYSCORE', key, '(' .. int(now), '+inf', 'WITHSCORES')
+  for i = 1, #entries, 2 do
+    local bound = now + span_of(entries[i])
+    if tonumber(entries[i + 1]) > bound then
+      redis.call('ZADD', key, 'XX', int(bound), entries[i])
+    end
+  end
+  return true
+end
+if clamp(holders, function(member)
+  local _, lease = parse(member)
+  return lease
+end) then
+  changed = true
+end
+-- The line's expiry (`line`) lies at most 1.5 patience ahead unless the clock stepped back.
+if line > now + patience + math.floor(patience / 2) then
+  clamp(alive, function()
+    return patience
+  end)
+end
+-- A provisional grant that ran out unclaimed: its process is silent (frozen or dead), and
+-- its other waiters are passed over until it is heard from (any call of it, below).
+-- A silence lasts at most a patience (by then a dead process's waiters have left the line);
+-- older marks are swept whenever a new one is made, so they stay few.
+local function still_silent(marked)
+  return marked ~= nil and now - marked < patience
+end
+local silenced = {}
+for _, member in ipairs(expired) do
+  if settle_pending(member) then
+    table.insert(silenced, 's:' .. string.sub(member, 1, 8))
+  end
+end
+if #silenced > 0 then
+  local cursor = '0'
+  repeat
+    local page = redis.call('HSCAN', meta, cursor, 'MATCH', 's:*', 'COUNT', 100)
+    cursor = page[1]
+    for i = 1, #page[2], 2 do
+      if not still_silent(tonumber(page[2][i + 1])) then
+        redis.call('HDEL', meta, page[2][i])
+      end
+    end
+  until cursor == '0'
+  for _, field in ipairs(silenced) do
+    redis.call('HSET', meta, field, int(now))
+  end
+end
+if stored[10] then
+  redis.call('HDEL', meta, 's:' .. caller)
+end
+if used and count then
+  for _, member in ipairs(expired) do
+    used = used - parse(member)
+  end
+  count = count - #expired
+end
+-- The counter is never trusted over the members it counts: when `meta` or `holders` went
+-- missing or changed behind our back (eviction, a stray DEL), the sum is rebuilt from the
+-- members, and their keys get a TTL again.
+local card = redis.call('ZCARD', holders)
+if used == nil or count ~= card then
+  used, count = 0, card
+  for _, member in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
+    used = used + parse(member)
+  end
+  horizon = 0
+  if card > 0 then
+    local latest = tonumber(redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')[2])
+    horizon = latest + math.floor((latest - now) / 2) + 1
+    redis.call('PEXPIREAT', holders, int(horizon))
+  end
+  changed = true
+end
