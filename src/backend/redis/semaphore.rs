@@ -144,9 +144,21 @@ impl RedisSemaphore {
         until: Option<Instant>,
         args: impl Fn(&mut Cmd, bool),
     ) -> Result<Value, Error> {
+        // While an acquire call is in flight, only the acquire calls carry releases: a release
+        // must never reach the server before its member's acquire, and the acquire calls go
+        // one after another (a member still queued is taken out of the queue instead of
+        // released; see `release_later`).
+        let members = {
+            let mut outbox = self.outbox();
+            if op == "acquire" || !outbox.sending {
+                std::mem::take(&mut outbox.releases)
+            } else {
+                Vec::new()
+            }
+        };
         let mut carried = Carried {
             semaphore: self,
-            members: std::mem::take(&mut self.outbox().releases),
+            members,
             settled: false,
         };
         let replicas = self
@@ -591,6 +603,14 @@ impl Store for RedisSemaphore {
 
     fn release_later(&self, member: Member) {
         let mut outbox = self.outbox();
+        // Still queued behind the call in flight: never sent, so it is only taken out of the
+        // queue. Released instead, the release could reach the server first (carried by
+        // another call) and the acquire after it: a slot held for a whole lease by nobody.
+        let queued = outbox.acquires.len();
+        outbox.acquires.retain(|q| q.member != member.text);
+        if outbox.acquires.len() < queued {
+            return;
+        }
         outbox.releases.push(member.text);
         // An acquire call in flight passes the releases on when it is answered.
         if !outbox.sending {
@@ -901,6 +921,34 @@ mod tests {
         // Nothing is left to send, so no call follows.
         let outbox = semaphore.outbox();
         assert!(outbox.acquires.is_empty() && !outbox.sending);
+    }
+
+    #[tokio::test]
+    async fn a_queued_acquire_given_up_is_taken_out_of_the_queue_not_released() {
+        let semaphore = unreachable();
+        semaphore.outbox().sending = true;
+        let member = Member::new(1, LEASE);
+        let waiter = acquire(&semaphore, &member);
+        settle(|| queued(&semaphore).len() == 1).await;
+        waiter.abort();
+        assert!(waiter.await.unwrap_err().is_cancelled());
+        // The caller's claim gives the member back: it was never sent, so no release is kept
+        // for a call that could reach the server before the acquire would.
+        semaphore.release_later(member);
+        let outbox = semaphore.outbox();
+        assert!(outbox.acquires.is_empty() && outbox.releases.is_empty());
+    }
+
+    #[tokio::test]
+    async fn other_calls_leave_the_releases_to_the_acquire_call_in_flight() {
+        let semaphore = unreachable();
+        semaphore.outbox().sending = true;
+        let member = Member::new(1, LEASE);
+        semaphore.release_later(member.clone());
+        // A read while the acquire call is in flight carries nothing (and fails: Redis is
+        // down); the release waits for the acquire chain.
+        assert!(semaphore.run("used", None, None, None, |_, _| {}).await.is_err());
+        assert_eq!(semaphore.outbox().releases, [member.text]);
     }
 
     #[tokio::test]
