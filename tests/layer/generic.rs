@@ -4,33 +4,6 @@
 
 use super::*;
 
-/// A service that signals when it is called and then never answers.
-#[derive(Clone)]
-struct Stuck(mpsc::UnboundedSender<()>);
-
-impl Service<Request<()>> for Stuck {
-    type Response = Response<String>;
-    type Error = Infallible;
-    type Future = std::future::Pending<Result<Response<String>, Infallible>>;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Infallible>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Request<()>) -> Self::Future {
-        let _ = self.0.send(());
-        std::future::pending()
-    }
-}
-
-fn stuck() -> (Stuck, mpsc::UnboundedReceiver<()>) {
-    let (started, starts) = mpsc::unbounded_channel();
-    (Stuck(started), starts)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_response_future_frees_the_permit() {
     let redis = Redis::start().await;
@@ -188,54 +161,6 @@ async fn a_lost_lease_aborts_the_request_when_asked() {
         matches!(error.downcast_ref::<Error>(), Some(Error::LeaseLost)),
         "{error}"
     );
-}
-
-/// A request that is not HTTP: a job for a runner.
-#[derive(Clone)]
-struct Job {
-    tenant: String,
-    gpus: u32,
-}
-
-fn job(tenant: &str, gpus: u32) -> Job {
-    Job {
-        tenant: tenant.to_owned(),
-        gpus,
-    }
-}
-
-/// Runs jobs: holds in the probe, answers with the token it ran under.
-#[derive(Clone)]
-struct Runner(Probe);
-
-impl Service<Job> for Runner {
-    type Response = u64;
-    type Error = BoxError;
-    type Future = std::pin::Pin<Box<dyn Future<Output = Result<u64, BoxError>> + Send>>;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), BoxError>> {
-        std::task::Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: Job) -> Self::Future {
-        let probe = self.0.clone();
-        // Read while the layer calls: the token of this job's permit.
-        let token = FencingToken::current();
-        Box::pin(async move {
-            probe.hold().await;
-            // Still there while the layer polls the job's future.
-            assert_eq!(FencingToken::current(), token);
-            Ok(token.ok_or("no fencing token")?.0)
-        })
-    }
-}
-
-/// A job runner behind `layer`.
-fn runner<L: tower::Layer<Runner>>(layer: L, probe: &Probe) -> L::Service {
-    layer.layer(Runner(probe.clone()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

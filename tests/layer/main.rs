@@ -1,5 +1,5 @@
 //! The tower layer over real HTTP on loopback, against a real redis-server where it matters,
-//! one file per feature (as tower's tests are): the HTTP flavour (`http.rs`), any request type
+//! one file per feature (as tower's tests are): the HTTP flavour (`http_flavour.rs`), any request type
 //! and the generic flavour (`generic.rs`), partitions (`partitions.rs`), gRPC (`grpc.rs`) and
 //! reserving in `poll_ready` (`poll_ready.rs`). The fixtures they share are here.
 
@@ -7,8 +7,9 @@
 mod support;
 
 mod generic;
+#[cfg(feature = "tonic")]
 mod grpc;
-mod http;
+mod http_flavour;
 mod partitions;
 mod poll_ready;
 
@@ -182,4 +183,120 @@ async fn wait_available(sem: &Semaphore, expected: u32) {
         || async { available(sem).await == expected },
     )
     .await;
+}
+
+/// What a client may read in a refusal: short sentences, nothing meant for operators.
+fn assert_neutral(body: &str) {
+    for advice in [
+        "reject_when_full",
+        "redis",
+        "raise",
+        "limit's lease",
+        "max_waiters",
+        "drop ",
+    ] {
+        assert!(
+            !body.to_lowercase().contains(advice),
+            "{body:?} carries internal advice ({advice:?})"
+        );
+    }
+}
+
+/// The status, `x-dlimit-refusal` and body of one refusal, checked for neutrality.
+async fn refusal(response: Response<Incoming>) -> (StatusCode, String, String) {
+    let status = response.status();
+    let kind = response
+        .headers()
+        .get("x-dlimit-refusal")
+        .map(|kind| kind.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let body = text(response).await;
+    assert_neutral(&body);
+    (status, kind, body)
+}
+
+/// A service that signals when it is called and then never answers.
+#[derive(Clone)]
+struct Stuck(mpsc::UnboundedSender<()>);
+
+impl Service<Request<()>> for Stuck {
+    type Response = Response<String>;
+    type Error = Infallible;
+    type Future = std::future::Pending<Result<Response<String>, Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Request<()>) -> Self::Future {
+        let _ = self.0.send(());
+        std::future::pending()
+    }
+}
+
+fn stuck() -> (Stuck, mpsc::UnboundedReceiver<()>) {
+    let (started, starts) = mpsc::unbounded_channel();
+    (Stuck(started), starts)
+}
+
+/// A request that is not HTTP: a job for a runner.
+#[derive(Clone)]
+struct Job {
+    tenant: String,
+    gpus: u32,
+}
+
+fn job(tenant: &str, gpus: u32) -> Job {
+    Job {
+        tenant: tenant.to_owned(),
+        gpus,
+    }
+}
+
+/// Runs jobs: holds in the probe, answers with the token it ran under.
+#[derive(Clone)]
+struct Runner(Probe);
+
+impl Service<Job> for Runner {
+    type Response = u64;
+    type Error = BoxError;
+    type Future = std::pin::Pin<Box<dyn Future<Output = Result<u64, BoxError>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Job) -> Self::Future {
+        let probe = self.0.clone();
+        // Read while the layer calls: the token of this job's permit.
+        let token = FencingToken::current();
+        Box::pin(async move {
+            probe.hold().await;
+            // Still there while the layer polls the job's future.
+            assert_eq!(FencingToken::current(), token);
+            Ok(token.ok_or("no fencing token")?.0)
+        })
+    }
+}
+
+/// A job runner behind `layer`.
+fn runner<L: tower::Layer<Runner>>(layer: L, probe: &Probe) -> L::Service {
+    layer.layer(Runner(probe.clone()))
+}
+
+fn api_key_partitions(backend: impl Backend + Clone, capacity: usize) -> Partitions {
+    Partitions::builder("tenants")
+        .key_header(HeaderName::from_static("x-api-key"))
+        .limit_by(|key| if key.starts_with("pro-") { 2 } else { 1 })
+        .max_key_len(16)
+        .capacity(capacity)
+        .acquire_timeout(BOUND)
+        .build(backend)
+        .unwrap()
 }

@@ -2,17 +2,6 @@
 
 use super::*;
 
-fn api_key_partitions(backend: impl Backend + Clone, capacity: usize) -> Partitions {
-    Partitions::builder("tenants")
-        .key_header(HeaderName::from_static("x-api-key"))
-        .limit_by(|key| if key.starts_with("pro-") { 2 } else { 1 })
-        .max_key_len(16)
-        .capacity(capacity)
-        .acquire_timeout(BOUND)
-        .build(backend)
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_limit_each_key_separately() {
     let redis = Redis::start().await;

@@ -947,7 +947,12 @@ mod tests {
         semaphore.release_later(member.clone());
         // A read while the acquire call is in flight carries nothing (and fails: Redis is
         // down); the release waits for the acquire chain.
-        assert!(semaphore.run("used", None, None, None, |_, _| {}).await.is_err());
+        assert!(
+            semaphore
+                .run("used", None, None, None, |_, _| {})
+                .await
+                .is_err()
+        );
         assert_eq!(semaphore.outbox().releases, [member.text]);
     }
 
