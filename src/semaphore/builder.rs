@@ -1,0 +1,265 @@
+//! A semaphore's settings: the builder, its defaults and checks.
+
+use std::time::Duration;
+
+use super::Semaphore;
+use crate::Error;
+use crate::backend::Backend;
+use crate::outage::OutagePolicy;
+use crate::telemetry::Telemetry;
+
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// The longest name of a semaphore or rate limiter, in bytes: a name is part of every key it
+/// keeps in Redis, so none grows without bound.
+///
+/// # Example
+///
+/// ```
+/// use tower_distributed_limit::{MAX_NAME_LEN, MemoryBackend, Semaphore};
+///
+/// let long = "x".repeat(MAX_NAME_LEN + 1);
+/// assert!(Semaphore::builder(long).limit(1).build(MemoryBackend::new()).is_err());
+/// ```
+pub const MAX_NAME_LEN: usize = 1024;
+
+/// [`Error::Config`] for a `what` (semaphore, rate limiter) named over [`MAX_NAME_LEN`].
+pub(crate) fn check_name_len(what: &str, name: &str) -> Result<(), Error> {
+    if name.len() > MAX_NAME_LEN {
+        return Err(Error::config(format!(
+            "the {what} name is {} bytes; names are at most {MAX_NAME_LEN} bytes (a name is \
+             part of every key it keeps in Redis)",
+            name.len()
+        )));
+    }
+    Ok(())
+}
+const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_MAX_WAITERS: usize = 10_000;
+const DEFAULT_CLAIM_WINDOW: Duration = Duration::from_millis(250);
+/// The longest lease: leases travel to Redis as 32-bit milliseconds (about 49 days).
+const MAX_LEASE: Duration = Duration::from_millis(u32::MAX as u64);
+
+/// A semaphore's settings, checked by [`SemaphoreBuilder::build`].
+pub(super) struct Settings {
+    pub(super) name: String,
+    pub(super) telemetry: Telemetry,
+    pub(super) limit: u32,
+    pub(super) lease: Duration,
+    pub(super) acquire_timeout: Duration,
+    pub(super) max_waiters: usize,
+    pub(super) outage: OutagePolicy,
+    pub(super) claim: Duration,
+}
+
+/// Settings for a [`Semaphore`]; made by [`Semaphore::builder`].
+///
+/// # Example
+///
+/// ```
+/// use tower_distributed_limit::{Error, MemoryBackend, Semaphore};
+///
+/// let err = Semaphore::builder("db").build(MemoryBackend::new()).unwrap_err();
+/// assert!(matches!(err, Error::Config(_))); // the limit is required
+/// ```
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct SemaphoreBuilder {
+    name: String,
+    limit: Option<u32>,
+    lease: Duration,
+    acquire_timeout: Duration,
+    max_waiters: usize,
+    outage: OutagePolicy,
+    claim: Duration,
+    /// The `semaphore` label of its metrics, when it is not the name (a partition set's name).
+    label: Option<String>,
+}
+
+impl SemaphoreBuilder {
+    /// How many permits may be out at once, across every process (required, at least 1).
+    pub fn limit(mut self, limit: u32) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+
+    /// How long a holder that stops answering keeps its slot (default 30 s, at least 1 ms).
+    /// A crashed process's permits come back after this long.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long [`Semaphore::acquire`] waits for a permit before
+    /// [`Error::Timeout`] (default 10 s, more than zero).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// How long a permit granted to a waiter from the line stays provisional (default 250 ms,
+    /// at least 1 ms; never more than half the lease): its process claims it with its next
+    /// call (a renewal, a touch) for the full lease. A process frozen or killed while it waits
+    /// strands a slot for this long, after which the slot goes to the next in line and the
+    /// silent process's other waiters are passed over until it is heard from again. Raise it
+    /// when processes may be slower than this to answer (a heavily loaded host).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_distributed_limit::{MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("exports")
+    ///     .limit(4)
+    ///     .claim_window(Duration::from_millis(500))
+    ///     .build(MemoryBackend::new())?;
+    /// # let _ = sem; Ok::<(), tower_distributed_limit::Error>(())
+    /// ```
+    pub fn claim_window(mut self, window: Duration) -> Self {
+        self.claim = window;
+        self
+    }
+
+    /// How many callers of this process may wait for a permit at once (default 10 000); one
+    /// more gets [`Error::TooManyWaiters`] at once, so a stalled backend or a burst cannot pile
+    /// up tasks without bound.
+    pub fn max_waiters(mut self, max: usize) -> Self {
+        self.max_waiters = max;
+        self
+    }
+
+    /// What to do when the backend cannot be reached: refuse (the default), let requests
+    /// through, or limit in this process alone. See [`OutagePolicy`].
+    pub fn on_outage(mut self, policy: OutagePolicy) -> Self {
+        self.outage = policy;
+        self
+    }
+
+    /// Checks the settings and opens the semaphore on `backend`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`] bytes, a missing or zero
+    /// limit, a lease under 1 ms or over 49 days, a claim window under 1 ms, a zero acquire
+    /// timeout or `max_waiters`, or a local outage limit of 0. Nothing is sent to the backend.
+    pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
+        if self.name.is_empty() {
+            return Err(Error::config(
+                "the semaphore name is empty; every process sharing the limit must use the same non-empty name",
+            ));
+        }
+        check_name_len("semaphore", &self.name)?;
+        let limit = match self.limit {
+            None => {
+                return Err(Error::config(format!(
+                    "semaphore {:?} has no limit; call .limit(n) with n >= 1",
+                    self.name
+                )));
+            }
+            Some(0) => {
+                return Err(Error::config(format!(
+                    "semaphore {:?} has limit 0, which admits nobody; use a limit of at least 1",
+                    self.name
+                )));
+            }
+            Some(limit) => limit,
+        };
+        if self.lease < Duration::from_millis(1) || self.lease > MAX_LEASE {
+            return Err(Error::config(format!(
+                "semaphore {:?}: lease {:?} is outside 1 ms ..= 49 days",
+                self.name, self.lease
+            )));
+        }
+        if self.claim < Duration::from_millis(1) {
+            return Err(Error::config(format!(
+                "semaphore {:?}: claim_window {:?} is under 1 ms; no process could claim a \
+                 permit from the line in time",
+                self.name, self.claim
+            )));
+        }
+        if self.max_waiters == 0 {
+            return Err(Error::config(format!(
+                "semaphore {:?}: max_waiters is 0, which refuses every acquire; use at least 1",
+                self.name
+            )));
+        }
+        if self.acquire_timeout.is_zero() {
+            return Err(Error::config(format!(
+                "semaphore {:?}: acquire_timeout is zero; use try_acquire for a single attempt",
+                self.name
+            )));
+        }
+        let fallback = match self.outage.local_limit() {
+            None => None,
+            Some(0) => {
+                return Err(Error::config(format!(
+                    "semaphore {:?}: a local outage limit of 0 admits nobody; use \
+                     OutagePolicy::FailClosed to refuse during outages",
+                    self.name
+                )));
+            }
+            Some(local) => {
+                let settings = Settings {
+                    name: self.name.clone(),
+                    telemetry: Telemetry::new(self.label.as_deref().unwrap_or(&self.name)),
+                    limit: local,
+                    lease: self.lease,
+                    acquire_timeout: self.acquire_timeout,
+                    max_waiters: self.max_waiters,
+                    outage: OutagePolicy::FailClosed,
+                    claim: self.claim,
+                };
+                Some(Semaphore::open(
+                    settings,
+                    &crate::MemoryBackend::new(),
+                    None,
+                    true,
+                ))
+            }
+        };
+        let settings = Settings {
+            telemetry: Telemetry::new(self.label.as_deref().unwrap_or(&self.name)),
+            name: self.name,
+            limit,
+            lease: self.lease,
+            acquire_timeout: self.acquire_timeout,
+            max_waiters: self.max_waiters,
+            outage: self.outage,
+            claim: self.claim,
+        };
+        Ok(Semaphore::open(settings, &backend, fallback, false))
+    }
+
+    /// The same settings for another name (per-key semaphores of [`Partitions`]).
+    ///
+    /// [`Partitions`]: crate::Partitions
+    pub(crate) fn named(mut self, name: String) -> Self {
+        self.name = name;
+        self
+    }
+
+    /// Reports metrics under `label` instead of the name, so per-key semaphores do not make a
+    /// series each.
+    pub(crate) fn metrics_label(mut self, label: String) -> Self {
+        self.label = Some(label);
+        self
+    }
+}
+
+impl Semaphore {
+    /// Starts the settings of the semaphore called `name`: every process that uses the same
+    /// name on the same backend shares one limit.
+    pub fn builder(name: impl Into<String>) -> SemaphoreBuilder {
+        SemaphoreBuilder {
+            name: name.into(),
+            limit: None,
+            lease: DEFAULT_LEASE,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+            max_waiters: DEFAULT_MAX_WAITERS,
+            outage: OutagePolicy::FailClosed,
+            claim: DEFAULT_CLAIM_WINDOW,
+            label: None,
+        }
+    }
+}
