@@ -35,6 +35,14 @@ pub struct QuorumBackendBuilder {
 impl QuorumBackend {
     /// Connects to every master in `urls` (at least 3, independent of each other), with the
     /// default settings of [`QuorumBackend::builder`].
+    ///
+    /// # Errors
+    ///
+    /// As [`QuorumBackendBuilder::connect`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the connections being opened.
     pub async fn connect<U: IntoConnectionInfo + Clone>(urls: &[U]) -> Result<Self, Error> {
         Self::builder(urls).connect().await
     }
@@ -103,10 +111,17 @@ impl QuorumBackendBuilder {
         self
     }
 
-    /// Connects to every node. Fails with [`Error::Config`] for fewer than 3 URLs, a bad URL,
-    /// a zero timeout or a drift factor outside 0..1, and with [`Error::Backend`] when fewer
-    /// than a majority of the nodes can be reached. A node that cannot be reached now is
-    /// probed in the background and counts again once it answers.
+    /// Connects to every node. A node that cannot be reached now is probed in the background
+    /// and counts again once it answers.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for fewer than 3 URLs, a bad URL, a zero timeout or a drift factor
+    /// outside 0..1; [`Error::Backend`] when fewer than a majority of the nodes can be reached.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the connections being opened.
     pub async fn connect(self) -> Result<QuorumBackend, Error> {
         let connect_timeout = self.connect_timeout;
         let backend = self.build()?;
@@ -149,7 +164,11 @@ impl QuorumBackendBuilder {
     /// Like [`connect`](Self::connect), but returns at once, whether the nodes are up or not:
     /// each node starts down and comes up by itself when a background probe reaches it; until
     /// a majority is up, every call fails at once with [`Error::Backend`] and the outage
-    /// policy decides. Fails only with [`Error::Config`] (including outside a tokio runtime).
+    /// policy decides.
+    ///
+    /// # Errors
+    ///
+    /// Only [`Error::Config`], as for [`connect`](Self::connect), and outside a tokio runtime.
     ///
     /// # Example
     ///

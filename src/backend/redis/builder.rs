@@ -33,18 +33,29 @@ impl RedisBackend {
     /// [`add_root_certificate_pem`](RedisBackendBuilder::add_root_certificate_pem) for a private
     /// CA), with the default settings of [`RedisBackend::builder`].
     ///
-    /// Fails with [`Error::Config`] for a malformed URL and [`Error::Backend`] when the server
-    /// cannot be reached now; once connected, the connection is re-established by itself.
-    /// Connect inside the runtime that will use the backend: the connection's driver task runs
-    /// there, and stops with it.
+    /// Once connected, the connection is re-established by itself. Connect inside the runtime
+    /// that will use the backend: the connection's driver task runs there, and stops with it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a malformed URL; [`Error::Backend`] when the server cannot be
+    /// reached now (see [`connect_lazy`](Self::connect_lazy) to start without it).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the connection being opened; nothing is
+    /// left behind.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         Self::builder(url).connect().await
     }
 
     /// Builds a backend for the Redis server at `url` at once, whether the server is up or
     /// not, with the default settings of [`RedisBackend::builder`]; see
-    /// [`RedisBackendBuilder::connect_lazy`]. Fails only with [`Error::Config`] (a malformed
-    /// URL, or no tokio runtime).
+    /// [`RedisBackendBuilder::connect_lazy`].
+    ///
+    /// # Errors
+    ///
+    /// Only [`Error::Config`]: a malformed URL, or no tokio runtime.
     ///
     /// # Example
     ///
@@ -62,7 +73,18 @@ impl RedisBackend {
     }
 
     /// Connects with a client you configured yourself (credentials, TLS, database). The
-    /// connection always speaks RESP3, which carries the grant announcements.
+    /// connection always speaks RESP3, which carries the grant announcements. The client is
+    /// a `redis::Client` of the version this crate is built with: build it with the
+    /// re-exported [`redis`](crate::redis) if your own `redis` dependency differs.
+    ///
+    /// # Errors
+    ///
+    /// As [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the connection being opened; nothing is
+    /// left behind.
     pub async fn from_client(client: Client) -> Result<Self, Error> {
         Self::builder(client.get_connection_info().clone())
             .connect()
@@ -112,6 +134,15 @@ impl RedisBackend {
     /// let sem = Semaphore::builder("llm-api").limit(20).build(redis)?;
     /// # let _ = sem; Ok(()) }
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a malformed URL or none; [`Error::Backend`] when no node can be
+    /// reached now.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the connections being opened.
     pub async fn connect_cluster<U: IntoConnectionInfo + Clone>(urls: &[U]) -> Result<Self, Error> {
         Self::cluster_builder(urls).connect().await
     }
@@ -155,6 +186,16 @@ impl RedisBackend {
     /// let redis = RedisBackend::connect_sentinel(&["redis://10.0.0.1:26379"], "mymaster").await?;
     /// # let _ = redis; Ok(()) }
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] without a sentinel URL or a master name; [`Error::Backend`] when
+    /// fewer than a majority of the sentinels answer, none names the master, or it cannot be
+    /// reached now.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the connections being opened.
     pub async fn connect_sentinel<U: IntoConnectionInfo + Clone>(
         sentinels: &[U],
         master_name: &str,
@@ -326,11 +367,19 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// Connects. Fails with [`Error::Config`] for a malformed URL, a zero timeout, or root
-    /// certificates for a plain `redis://` URL, and with [`Error::Backend`] when the server
-    /// cannot be reached now (or its TLS certificate is not trusted) within the connect
-    /// timeout. To start whether Redis is up or not, use
+    /// Connects. To start whether Redis is up or not, use
     /// [`connect_lazy`](Self::connect_lazy).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a malformed URL, a zero timeout, or root certificates for a plain
+    /// `redis://` URL; [`Error::Backend`] when the server cannot be reached now (or its TLS
+    /// certificate is not trusted) within the connect timeout.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the connection being opened; nothing is
+    /// left behind.
     pub async fn connect(self) -> Result<RedisBackend, Error> {
         let backend = self.build()?;
         let shared = &backend.shared;
@@ -363,8 +412,10 @@ impl RedisBackendBuilder {
     /// soon as a background probe reaches the server. A service built this way starts during
     /// a Redis outage instead of crash-looping.
     ///
-    /// Fails only with [`Error::Config`]: a malformed URL or option, or no tokio runtime to
-    /// run the probe on (call it inside one).
+    /// # Errors
+    ///
+    /// Only [`Error::Config`]: a malformed URL or option, or no tokio runtime to run the probe
+    /// on (call it inside one).
     ///
     /// # Example
     ///
