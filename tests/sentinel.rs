@@ -125,8 +125,14 @@ impl Sentinels {
         let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
             return false;
         };
-        let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut conn).await.unwrap();
-        matches!(&role[0], redis::Value::BulkString(r) if r == b"slave")
+        // A node being reconfigured may drop the connection: not a replica yet, ask again.
+        let Ok(role) = redis::cmd("ROLE")
+            .query_async::<Vec<redis::Value>>(&mut conn)
+            .await
+        else {
+            return false;
+        };
+        matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"slave")
     }
 
     /// Waits until `server` serves as a replica.
@@ -388,7 +394,7 @@ async fn failovers_never_double_the_limit(wait: bool) {
             ));
         }
         // Past the promotion fence (lease 1.5 s + 1.3 s): the new master serves.
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        tokio::time::sleep(Duration::from_secs(7)).await;
     }
     let served_before = holds.lock().unwrap().len();
     tokio::time::sleep(Duration::from_secs(2)).await;

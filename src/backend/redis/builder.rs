@@ -151,10 +151,8 @@ impl RedisBackend {
     /// with the default settings of [`RedisBackend::sentinel_builder`].
     ///
     /// The backend never acts on a deposed master:
-    /// - it subscribes to a sentinel's `+switch-master` and asks every sentinel every 250 ms
-    ///   which node is the master; of the answers of at least a majority, the one of the
-    ///   highest configuration epoch wins (a sentinel that has not heard of a failover yet
-    ///   names the deposed master). On a switch it drops the old master's connection at once;
+    /// - it subscribes to a sentinel's `+switch-master` and asks it every 250 ms which node is
+    ///   the master; on a switch it drops the old master's connection at once;
     /// - a call goes only to a master the sentinels named within the last second (a process
     ///   that was frozen, or lost its sentinel, asks them first); a reconnect goes through
     ///   them too;
@@ -190,8 +188,7 @@ impl RedisBackend {
     /// # Errors
     ///
     /// [`Error::Config`] without a sentinel URL or a master name; [`Error::Backend`] when
-    /// fewer than a majority of the sentinels answer, none names the master, or it cannot be
-    /// reached now.
+    /// no sentinel answers, none names the master, or it cannot be reached now.
     ///
     /// # Cancel safety
     ///

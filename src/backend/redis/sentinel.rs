@@ -1,18 +1,17 @@
-//! The master Sentinel names, followed across failovers: every sentinel is asked, and the
-//! answer of the latest configuration epoch wins, so a sentinel that has not heard of a
-//! failover yet never sends a call back to the deposed master.
+//! The master Sentinel names, followed across failovers: a watcher on a sentinel's
+//! `+switch-master` and a heartbeat, calls only to a master the sentinels named within a
+//! second, and the follow-up of `READONLY`, deposed masters and `WAIT` shortfalls.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
 use redis::aio::{ConnectionManager, MultiplexedConnection};
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo,
-    ProtocolVersion, PushInfo, PushKind, RedisConnectionInfo, RedisError, RedisResult, Role,
-    ServerErrorKind, TlsCertificates, Value,
+    AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, ErrorKind, ProtocolVersion,
+    PushInfo, PushKind, RedisConnectionInfo, RedisError, RedisResult, ServerErrorKind,
+    TlsCertificates, Value,
 };
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -21,36 +20,25 @@ use super::node::{NodeSettings, Pushes, manager};
 use crate::sync::lock;
 
 /// How long the sentinels' word that the master is the one we talk to stays good. A call on
-/// an older word (the process was frozen, the watcher could not reach the sentinels, the
+/// an older word (the process was frozen, the watcher could not reach a sentinel, the
 /// master's connection dropped) asks them first, so no call goes to a deposed master on the
-/// strength of old news. The promotion fence of `lua/semaphore/` covers this age.
+/// strength of old news. The promotion fence of `lua/semaphore.lua` covers this age.
 pub(super) const CONFIRM: Duration = Duration::from_secs(1);
 
-/// How much longer the sentinels that have not answered yet are awaited once a majority has:
-/// the one that ran a failover answers as fast as the others, unless it is down or paused.
-const STRAGGLERS: Duration = Duration::from_millis(100);
-
-/// How often the watcher asks the sentinels which node is the master.
+/// How often the watcher asks a sentinel which node is the master.
 const HEARTBEAT: Duration = Duration::from_millis(250);
 
 /// The master Sentinel names, followed across failovers.
 ///
-/// A watcher task subscribes to a sentinel's `+switch-master` and asks the sentinels every
+/// A watcher task subscribes to a sentinel's `+switch-master` and asks it every
 /// [`HEARTBEAT`] which node is the master; on a switch the old master's connection is dropped
 /// at once. A call goes only to a master the sentinels named within [`CONFIRM`]; a reply that
 /// finds it demoted (`READONLY`, `MASTERDOWN`), a failure to reach it, or a reply from a
 /// master deposed while the call was in flight asks the sentinels again, and the call is
 /// reported as a dropped connection so the script-call path sends it once more to the new
 /// master.
-///
-/// Asking the sentinels means asking every one of them at once and taking, of the answers of
-/// at least a majority, the master of the highest configuration epoch: the sentinel that ran
-/// a failover knows of it first and the others learn within a couple of seconds, so the
-/// first answer to come back may name the deposed master.
 pub(super) struct Sentineled {
-    /// One connection per sentinel (opened on first use, dropped when it fails); the lock
-    /// makes one caller at a time ask them.
-    oracles: tokio::sync::Mutex<Vec<Option<MultiplexedConnection>>>,
+    client: tokio::sync::Mutex<SentinelClient>,
     /// The master's connection, its address and its term (how many masters we followed).
     current: Mutex<Option<Master>>,
     /// When the sentinels last named the current master; `None` once its connection dropped
@@ -69,17 +57,8 @@ pub(super) struct Sentineled {
 #[derive(Clone)]
 pub(super) struct Master {
     pub(super) conn: ConnectionManager,
-    addr: (String, u16),
+    addr: ConnectionAddr,
     term: u64,
-}
-
-/// What one sentinel says of the master: where it is, in which configuration epoch, and
-/// whether the sentinels agree it is down.
-#[derive(Debug, PartialEq)]
-struct Word {
-    addr: (String, u16),
-    epoch: u64,
-    down: bool,
 }
 
 impl Sentineled {
@@ -87,20 +66,29 @@ impl Sentineled {
     pub(super) async fn open(
         sentinels: Vec<ConnectionInfo>,
         master_name: String,
-        node: &NodeSettings,
+        settings: &NodeSettings,
         pushes: Pushes,
     ) -> RedisResult<Arc<Sentineled>> {
+        let node = SentinelNodeConnectionInfo::default().set_redis_connection_info(
+            RedisConnectionInfo::default().set_protocol(ProtocolVersion::RESP3),
+        );
+        let client = SentinelClient::build(
+            sentinels.clone(),
+            master_name.clone(),
+            Some(node),
+            SentinelServerType::Master,
+        )?;
         let sentinel = Arc::new(Sentineled {
-            oracles: tokio::sync::Mutex::new(vec![None; sentinels.len()]),
+            client: tokio::sync::Mutex::new(client),
             current: Mutex::new(None),
             confirmed: Mutex::new(None),
             pushes,
-            call_timeout: node.call_timeout,
-            connect_timeout: node.connect_timeout,
+            call_timeout: settings.call_timeout,
+            connect_timeout: settings.connect_timeout,
             channels: Mutex::default(),
             sentinels,
             master_name,
-            certificates: node.certificates.clone(),
+            certificates: settings.certificates.clone(),
         });
         sentinel.follow().await?;
         tokio::spawn(watch(Arc::downgrade(&sentinel)));
@@ -152,6 +140,18 @@ impl Sentineled {
         }
     }
 
+    /// The sentinels named `addr` just now: the current master's word is renewed, or the
+    /// master moved.
+    async fn named(self: &Arc<Self>, addr: (String, u16)) -> RedisResult<()> {
+        let current = self.current()?;
+        if same_node(&current.addr, &addr) {
+            *lock(&self.confirmed) = Some(Instant::now());
+            return Ok(());
+        }
+        self.doubt(current.term);
+        self.follow().await
+    }
+
     /// A master the sentinels named within [`CONFIRM`], asking them first if need be.
     async fn master(self: &Arc<Self>) -> RedisResult<Master> {
         if !self.fresh() {
@@ -193,29 +193,30 @@ impl Sentineled {
     }
 
     /// Asks the sentinels for the master, unless their word is fresh (another caller just
-    /// asked).
+    /// asked); when it is not the one we talk to, connects to it (redis-rs checks its `ROLE`),
+    /// subscribes the channels again, drops the old master's connection and reports a lost
+    /// connection (so waiters check their line and holders renew at once).
     async fn follow(self: &Arc<Self>) -> RedisResult<()> {
-        self.ask(false).await
-    }
-
-    /// Asks the sentinels for the master (unless `renew` is false and their word is fresh);
-    /// when it is not the one we talk to, connects to it, checks its `ROLE`, subscribes the
-    /// channels again, drops the old master's connection and reports a lost connection (so
-    /// waiters check their line and holders renew at once).
-    async fn ask(self: &Arc<Self>, renew: bool) -> RedisResult<()> {
-        let mut oracles = self.oracles.lock().await;
-        if !renew && self.fresh() {
+        let mut sentinels = self.client.lock().await;
+        if self.fresh() {
             return Ok(());
         }
+        let resolve = sentinels.async_get_client();
+        let client = tokio::time::timeout(self.connect_timeout * 2, resolve)
+            .await
+            .map_err(|_| {
+                RedisError::from((ErrorKind::Io, "the sentinels did not answer in time"))
+            })??;
         let asked = Instant::now();
-        let addr = self.word(&mut oracles).await?;
+        let addr = client.get_connection_info().addr().clone();
         let current = lock(&self.current).clone();
         if current.as_ref().is_some_and(|m| m.addr == addr) {
             *lock(&self.confirmed) = Some(asked);
             return Ok(());
         }
         let term = current.as_ref().map_or(0, |m| m.term + 1);
-        let mut conn = self.connect(&addr, term).await?;
+        let pushes = self.master_pushes(term);
+        let mut conn = manager(client, &pushes, self.call_timeout, self.connect_timeout).await?;
         let channels: Vec<String> = lock(&self.channels).iter().cloned().collect();
         if !channels.is_empty() {
             conn.subscribe(&channels).await?;
@@ -226,104 +227,15 @@ impl Sentineled {
             term,
         });
         *lock(&self.confirmed) = Some(asked);
-        drop(oracles);
+        drop(sentinels);
         if current.is_some() {
-            tracing::warn!(master = %format!("{}:{}", addr.0, addr.1),
-                "Sentinel named a new master; following it");
+            tracing::warn!(master = %addr, "Sentinel named a new master; following it");
             (self.pushes)(PushInfo {
                 kind: PushKind::Disconnection,
                 data: Vec::new(),
             });
         }
         Ok(())
-    }
-
-    /// Every sentinel asked at once: the master of the latest epoch among a majority's
-    /// answers. The answers are awaited within the connect timeout twice over; once a
-    /// majority has answered, the others get [`STRAGGLERS`] more, so a sentinel that is down
-    /// or paused slows no beat and no call by more.
-    async fn word(
-        &self,
-        oracles: &mut [Option<MultiplexedConnection>],
-    ) -> RedisResult<(String, u16)> {
-        let asked = oracles.len();
-        let mut asks: FuturesUnordered<_> = oracles
-            .iter_mut()
-            .zip(&self.sentinels)
-            .map(|(cached, info)| async move {
-                let answer = async {
-                    let conn = match cached {
-                        Some(conn) => conn,
-                        None => cached.insert(self.oracle(info.clone()).await?),
-                    };
-                    let mut ask = redis::cmd("SENTINEL");
-                    ask.arg("MASTER").arg(&self.master_name);
-                    ask.query_async::<HashMap<String, String>>(conn).await
-                }
-                .await;
-                if answer
-                    .as_ref()
-                    .is_err_and(|e| !matches!(e.kind(), ErrorKind::Server(_)))
-                {
-                    *cached = None;
-                }
-                answer
-            })
-            .collect();
-        let mut answers = Vec::with_capacity(asked);
-        let mut until = Instant::now() + self.connect_timeout * 2;
-        while let Ok(Some(answer)) = tokio::time::timeout_at(until, asks.next()).await {
-            answers.push(answer);
-            let named = answers.iter().filter(|answer| answer.is_ok()).count();
-            if named * 2 > asked {
-                until = until.min(Instant::now() + STRAGGLERS);
-            }
-        }
-        drop(asks);
-        answers.resize_with(asked, || {
-            Err(RedisError::from((
-                ErrorKind::Io,
-                "a sentinel did not answer in time",
-            )))
-        });
-        decide(&answers)
-    }
-
-    /// A connection to one sentinel.
-    async fn oracle(&self, info: ConnectionInfo) -> RedisResult<MultiplexedConnection> {
-        let client = match self.certificates.clone() {
-            Some(certificates) => Client::build_with_tls(info, certificates)?,
-            None => Client::open(info)?,
-        };
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.connect_timeout))
-            .set_response_timeout(Some(self.call_timeout));
-        client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-    }
-
-    /// A connection to the master the sentinels named at `addr`, once it says it is one.
-    async fn connect(
-        self: &Arc<Self>,
-        addr: &(String, u16),
-        term: u64,
-    ) -> RedisResult<ConnectionManager> {
-        let info = ConnectionAddr::Tcp(addr.0.clone(), addr.1)
-            .into_connection_info()?
-            .set_redis_settings(
-                RedisConnectionInfo::default().set_protocol(ProtocolVersion::RESP3),
-            );
-        let client = Client::open(info)?;
-        let pushes = self.master_pushes(term);
-        let mut conn = manager(client, &pushes, self.call_timeout, self.connect_timeout).await?;
-        match redis::cmd("ROLE").query_async::<Role>(&mut conn).await? {
-            Role::Primary { .. } => Ok(conn),
-            _ => Err(RedisError::from((
-                ErrorKind::Io,
-                "the node the sentinels name as the master is not one (yet)",
-            ))),
-        }
     }
 
     /// The pushes of term `term`'s master: as every connection's, and a lost connection voids
@@ -340,57 +252,19 @@ impl Sentineled {
     }
 }
 
-/// Of the sentinels' answers, the master of the highest configuration epoch, once more than
-/// half of them answered: with fewer, the ones that know of the last failover may be among
-/// the silent. A master they agree is down (`o_down`) is no master to call.
-fn decide(answers: &[RedisResult<HashMap<String, String>>]) -> RedisResult<(String, u16)> {
-    let words: Vec<Word> = answers
-        .iter()
-        .filter_map(|answer| answer.as_ref().ok().and_then(word))
-        .collect();
-    if words.len() * 2 <= answers.len() {
-        let why = answers
-            .iter()
-            .find_map(|answer| answer.as_ref().err())
-            .map_or_else(
-                || "an answer without the master's address".to_owned(),
-                |e| e.to_string(),
-            );
-        return Err(RedisError::from((
-            ErrorKind::Io,
-            "too few sentinels answered to name the master",
-            format!("{} of {} answered; {why}", words.len(), answers.len()),
-        )));
+/// Whether `addr` is the node the sentinels named as `(host, port)`.
+fn same_node(addr: &ConnectionAddr, (host, port): &(String, u16)) -> bool {
+    match addr {
+        ConnectionAddr::Tcp(h, p)
+        | ConnectionAddr::TcpTls {
+            host: h, port: p, ..
+        } => h == host && p == port,
+        _ => false,
     }
-    // The maximum exists: more than half of at least one answer is at least one word.
-    let Some(latest) = words.into_iter().max_by_key(|word| word.epoch) else {
-        return Err(RedisError::from((
-            ErrorKind::Io,
-            "no sentinel named the master",
-        )));
-    };
-    if latest.down {
-        return Err(RedisError::from((
-            ErrorKind::Io,
-            "the sentinels agree the master is down; a failover is under way",
-        )));
-    }
-    Ok(latest.addr)
 }
 
-/// One sentinel's `SENTINEL MASTER` answer, read.
-fn word(answer: &HashMap<String, String>) -> Option<Word> {
-    let port = answer.get("port")?.parse().ok()?;
-    Some(Word {
-        addr: (answer.get("ip")?.clone(), port),
-        epoch: answer.get("config-epoch")?.parse().ok()?,
-        down: answer.get("flags")?.contains("o_down"),
-    })
-}
-
-/// The watcher: subscribed to one sentinel's `+switch-master` at a time, it asks the
-/// sentinels every [`HEARTBEAT`] and on every switch which node is the master, until the
-/// `Sentineled` is gone.
+/// The watcher: one sentinel at a time, subscribed to `+switch-master` and asked every
+/// [`HEARTBEAT`] which node is the master, until the `Sentineled` is gone.
 async fn watch(me: Weak<Sentineled>) {
     let mut next = 0;
     loop {
@@ -398,33 +272,38 @@ async fn watch(me: Weak<Sentineled>) {
         let info = sentinel.sentinels[next % sentinel.sentinels.len()].clone();
         next += 1;
         let (switches, mut heard) = mpsc::unbounded_channel();
-        // Kept for its subscription; without one, the beats go on and the next sentinel is
-        // tried after one.
-        let subscribed = watcher(&sentinel, info, switches).await.ok();
+        let watcher = watcher(&sentinel, info, switches).await;
         drop(sentinel);
+        let Ok(mut conn) = watcher else {
+            tokio::time::sleep(HEARTBEAT).await;
+            continue;
+        };
         let mut beat = tokio::time::interval(HEARTBEAT);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let lost = tokio::select! {
-                _ = beat.tick() => subscribed.is_none(),
-                heard = heard.recv() => heard.is_none_or(|lost| lost),
-            };
-            let Some(sentinel) = me.upgrade() else { return };
-            // A failed ask or move is retried by the next call or beat.
-            let _ = sentinel.ask(true).await;
-            if lost {
-                break;
+            tokio::select! {
+                _ = beat.tick() => {}
+                switched = heard.recv() => if switched.is_none() { break },
             }
+            let Some(sentinel) = me.upgrade() else { return };
+            let mut ask = redis::cmd("SENTINEL");
+            ask.arg("get-master-addr-by-name")
+                .arg(&sentinel.master_name);
+            let ask = ask.query_async::<Option<(String, u16)>>(&mut conn);
+            let answer = tokio::time::timeout(sentinel.call_timeout, ask).await;
+            let Ok(Ok(Some(addr))) = answer else { break };
+            // A failed move is retried by the next call or beat.
+            let _ = sentinel.named(addr).await;
         }
     }
 }
 
-/// A RESP3 connection to one sentinel, subscribed to `+switch-master`: a switch of our master
-/// sends `false` to `switches`, the connection's loss `true`.
+/// A RESP3 connection to one sentinel, subscribed to `+switch-master`; a switch of our master
+/// is sent to `switches`.
 async fn watcher(
     sentinel: &Sentineled,
     info: ConnectionInfo,
-    switches: mpsc::UnboundedSender<bool>,
+    switches: mpsc::UnboundedSender<()>,
 ) -> RedisResult<MultiplexedConnection> {
     let settings = info
         .redis_settings()
@@ -442,10 +321,8 @@ async fn watcher(
         .set_push_sender(move |push: PushInfo| {
             let ours = matches!(push.data.as_slice(), [_, Value::BulkString(news)]
                 if news.starts_with(prefix.as_bytes()));
-            if push.kind == PushKind::Disconnection {
-                let _ = switches.send(true);
-            } else if ours {
-                let _ = switches.send(false);
+            if push.kind == PushKind::Disconnection || ours {
+                let _ = switches.send(());
             }
             Ok::<(), std::convert::Infallible>(())
         });
@@ -473,57 +350,4 @@ fn master_may_have_moved(e: &RedisError) -> bool {
             e.kind(),
             ErrorKind::Server(ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown)
         )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn answer(port: &str, epoch: &str, flags: &str) -> RedisResult<HashMap<String, String>> {
-        Ok(HashMap::from([
-            ("ip".to_owned(), "10.0.0.1".to_owned()),
-            ("port".to_owned(), port.to_owned()),
-            ("config-epoch".to_owned(), epoch.to_owned()),
-            ("flags".to_owned(), flags.to_owned()),
-        ]))
-    }
-
-    fn silent() -> RedisResult<HashMap<String, String>> {
-        Err(RedisError::from((ErrorKind::Io, "refused")))
-    }
-
-    #[test]
-    fn the_latest_epoch_wins_over_the_first_answers() {
-        let answers = [
-            answer("1", "3", "master"),
-            answer("1", "3", "master"),
-            answer("2", "4", "master"),
-        ];
-        assert_eq!(decide(&answers).unwrap(), ("10.0.0.1".to_owned(), 2));
-    }
-
-    #[test]
-    fn a_minority_cannot_name_the_master() {
-        let answers = [answer("1", "3", "master"), silent(), silent()];
-        let err = decide(&answers).unwrap_err();
-        assert!(err.to_string().contains("1 of 3 answered"), "{err}");
-        let answers = [
-            answer("1", "3", "master"),
-            answer("1", "3", "master"),
-            silent(),
-        ];
-        assert_eq!(decide(&answers).unwrap().1, 1);
-    }
-
-    #[test]
-    fn a_master_agreed_down_is_no_master() {
-        let answers = [answer("1", "3", "master,s_down,o_down")];
-        assert!(decide(&answers).unwrap_err().to_string().contains("down"));
-    }
-
-    #[test]
-    fn an_answer_without_an_address_does_not_count() {
-        let answers = [answer("x", "3", "master"), answer("1", "3", "master")];
-        assert!(decide(&answers).is_err());
-    }
 }
