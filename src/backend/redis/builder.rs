@@ -168,6 +168,11 @@ impl RedisBackend {
     ///   had not heard of the failover yet, has ended by then. Holders it knows keep renewing;
     ///   waiters queue and are served when the fence ends.
     ///
+    /// One gap is known (issue 27): a process that asks the sentinels right after a failover
+    /// takes the first one's answer, and a sentinel not yet told of the failover names the old
+    /// master. If that master is still writable (it was frozen or cut off through the
+    /// failover), the process may be granted there beside the new master's holders.
+    ///
     /// With `wait_for_replicas` there is no fence: a grant counts once a replica has it, and
     /// Sentinel promotes the replica that has the most. What remains then is a grant on the
     /// deposed master by a process that has not heard of the failover yet, acknowledged by a
