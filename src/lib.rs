@@ -64,6 +64,7 @@ mod error;
 mod keeper;
 pub mod layer;
 mod lease;
+mod name;
 mod outage;
 mod permit;
 pub mod rate;
@@ -83,10 +84,11 @@ pub use layer::{
     DistributedConcurrencyLimitLayer, FencingToken, HttpConcurrencyLimitLayer, Partitions,
     WithoutKey,
 };
+pub use name::MAX_NAME_LEN;
 pub use outage::OutagePolicy;
 pub use permit::Permit;
 pub use rate::{DistributedRateLimitLayer, RateLimiter, RateLimiterBuilder};
-pub use semaphore::{MAX_NAME_LEN, Semaphore, SemaphoreBuilder};
+pub use semaphore::{Semaphore, SemaphoreBuilder};
 pub use snapshot::{Holder, Snapshot};
 
 /// The `http` crate this one is built with, for header names

@@ -131,7 +131,7 @@ impl RateLimiterBuilder {
                 "the rate limiter's name is empty; every process sharing the rate must use the same non-empty name",
             ));
         }
-        crate::semaphore::check_name_len("rate limiter", name)?;
+        crate::name::check_name_len("rate limiter", name)?;
         let Some((rate, period)) = self.rate else {
             return Err(Error::config(format!(
                 "rate limiter {name:?} has no rate; call .rate(n, period), e.g. .rate(100, Duration::from_secs(1))"

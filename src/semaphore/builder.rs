@@ -5,35 +5,12 @@ use std::time::Duration;
 use super::Semaphore;
 use crate::Error;
 use crate::backend::Backend;
+use crate::name::check_name_len;
 use crate::outage::OutagePolicy;
 use crate::telemetry::Telemetry;
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
-/// The longest name of a semaphore or rate limiter, in bytes: a name is part of every key it
-/// keeps in Redis, so none grows without bound.
-///
-/// # Example
-///
-/// ```
-/// use tower_distributed_limit::{MAX_NAME_LEN, MemoryBackend, Semaphore};
-///
-/// let long = "x".repeat(MAX_NAME_LEN + 1);
-/// assert!(Semaphore::builder(long).limit(1).build(MemoryBackend::new()).is_err());
-/// ```
-pub const MAX_NAME_LEN: usize = 1024;
-
-/// [`Error::Config`] for a `what` (semaphore, rate limiter) named over [`MAX_NAME_LEN`].
-pub(crate) fn check_name_len(what: &str, name: &str) -> Result<(), Error> {
-    if name.len() > MAX_NAME_LEN {
-        return Err(Error::config(format!(
-            "the {what} name is {} bytes; names are at most {MAX_NAME_LEN} bytes (a name is \
-             part of every key it keeps in Redis)",
-            name.len()
-        )));
-    }
-    Ok(())
-}
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_MAX_WAITERS: usize = 10_000;
 const DEFAULT_CLAIM_WINDOW: Duration = Duration::from_millis(250);
@@ -140,7 +117,7 @@ impl SemaphoreBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`] bytes, a missing or zero
+    /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes, a missing or zero
     /// limit, a lease under 1 ms or over 49 days, a claim window under 1 ms, a zero acquire
     /// timeout or `max_waiters`, or a local outage limit of 0. Nothing is sent to the backend.
     pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {

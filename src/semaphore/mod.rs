@@ -18,9 +18,8 @@ use crate::{Error, RateLimiter};
 
 mod builder;
 
+pub use self::builder::SemaphoreBuilder;
 use self::builder::Settings;
-pub(crate) use self::builder::check_name_len;
-pub use self::builder::{MAX_NAME_LEN, SemaphoreBuilder};
 
 /// A counting semaphore shared by every process that builds one with the same name on the same
 /// backend: at most [`limit`](Semaphore::limit) permits are out at once, across all of them.
