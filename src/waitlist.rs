@@ -505,3 +505,257 @@ impl Drop for Ticket {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend's line as a refresh sees it: each member's state (queued unless set), and
+    /// every touch it was sent.
+    #[derive(Default)]
+    struct Backend {
+        states: Mutex<HashMap<Arc<str>, Status>>,
+        touches: Mutex<Vec<Vec<Arc<str>>>>,
+        confirms: bool,
+    }
+
+    impl Backend {
+        fn set(&self, member: &Arc<str>, status: Status) {
+            lock(&self.states).insert(member.clone(), status);
+        }
+
+        fn touches(&self) -> Vec<Vec<Arc<str>>> {
+            lock(&self.touches).clone()
+        }
+    }
+
+    impl Refresh for Backend {
+        fn touch<'a>(
+            &'a self,
+            members: &'a [Arc<str>],
+            _until: Instant,
+        ) -> BoxFuture<'a, Result<(Vec<Status>, Duration), Error>> {
+            lock(&self.touches).push(members.to_vec());
+            let states = lock(&self.states);
+            let statuses = (members.iter())
+                .map(|m| states.get(m).copied().unwrap_or(Status::Queued))
+                .collect();
+            Box::pin(std::future::ready(Ok((statuses, Duration::from_secs(60)))))
+        }
+
+        fn confirms_grants(&self) -> bool {
+            self.confirms
+        }
+    }
+
+    const FAR: Duration = Duration::from_secs(3600);
+
+    fn reading() -> ClockReading {
+        ClockReading {
+            local: Instant::now(),
+            server_us: 1_000_000,
+        }
+    }
+
+    /// `member` registered on `list` and waiting in line on `backend`, as a task.
+    fn wait(
+        list: &Arc<Waitlist>,
+        backend: &Arc<Backend>,
+        member: &Arc<str>,
+        deadline: Instant,
+    ) -> tokio::task::JoinHandle<Result<Wake, Error>> {
+        let ticket = list.register(member.clone(), 10).expect("room");
+        let backend = backend.clone();
+        tokio::spawn(async move {
+            ticket
+                .wait_in_line(&*backend, reading(), FAR, deadline)
+                .await
+        })
+    }
+
+    /// Lets the spawned tasks run (paused time does not move while they are busy).
+    async fn run_tasks() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn member(name: &str) -> Arc<str> {
+        name.into()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_announced_grant_wakes_its_waiter_with_no_call() {
+        let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
+        let list = hub.waitlist("sem");
+        let a = member("a");
+        let clock = reading();
+        let waiter = wait(&list, &backend, &a, Instant::now() + FAR);
+        run_tasks().await;
+        list.grant(&a, 7, Until::Server(clock.server_us + 2_000_000));
+        let Ok(Wake::Granted { token, until }) = waiter.await.unwrap() else {
+            panic!("granted")
+        };
+        assert_eq!(token, 7);
+        // The lease ends 2 s after the server's reading, so no later than 2 s after it locally.
+        assert_eq!(until, clock.local + Duration::from_secs(2));
+        assert!(backend.touches().is_empty(), "no refresh was needed");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_oldest_waiter_alone_refreshes_the_line_every_keepalive() {
+        let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
+        let list = hub.waitlist("sem");
+        let (a, b) = (member("a"), member("b"));
+        let first = wait(&list, &backend, &a, Instant::now() + FAR);
+        let second = wait(&list, &backend, &b, Instant::now() + FAR);
+        run_tasks().await;
+        tokio::time::sleep(KEEPALIVE * 3 + KEEPALIVE / 2).await;
+        // One touch per keepalive, each for the whole line.
+        assert_eq!(backend.touches(), vec![vec![a.clone(), b.clone()]; 3]);
+
+        // The oldest leaves: the next one takes over the timer, for the line left.
+        first.abort();
+        run_tasks().await;
+        tokio::time::sleep(KEEPALIVE).await;
+        assert_eq!(backend.touches().last(), Some(&vec![b.clone()]));
+        assert_eq!(backend.touches().len(), 4);
+        second.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refresh_delivers_grants_whose_announcement_was_lost() {
+        let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
+        let list = hub.waitlist("sem");
+        let (a, b, c) = (member("a"), member("b"), member("c"));
+        let first = wait(&list, &backend, &a, Instant::now() + FAR);
+        let second = wait(&list, &backend, &b, Instant::now() + FAR);
+        let third = wait(&list, &backend, &c, Instant::now() + FAR);
+        run_tasks().await;
+        let remaining = Duration::from_secs(2);
+        backend.set(
+            &b,
+            Status::Granted {
+                token: 3,
+                remaining,
+            },
+        );
+        backend.set(&c, Status::Unknown);
+        // Announcements may have been lost (a reconnect): the line is checked at once.
+        let before = Instant::now();
+        list.touch_soon();
+        let Ok(Wake::Granted { token: 3, until }) = second.await.unwrap() else {
+            panic!("granted by the refresh")
+        };
+        assert_eq!(until, before + remaining);
+        // A waiter the backend forgot is told to ask again; the rest keep waiting.
+        assert!(matches!(third.await.unwrap(), Ok(Wake::Forgotten)));
+        assert_eq!(backend.touches().len(), 1);
+        assert!(!first.is_finished());
+        first.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_ends_a_wait_with_no_call() {
+        let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
+        let list = hub.waitlist("sem");
+        let start = Instant::now();
+        let waiter = wait(&list, &backend, &member("a"), start + KEEPALIVE / 2);
+        assert!(matches!(waiter.await.unwrap(), Ok(Wake::TimedOut)));
+        assert_eq!(Instant::now(), start + KEEPALIVE / 2);
+        assert!(backend.touches().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_that_needs_confirming_counts_once_a_touch_confirms_it() {
+        let hub = Hub::new(None);
+        let backend = Arc::new(Backend {
+            confirms: true,
+            ..Backend::default()
+        });
+        let list = hub.waitlist("sem");
+        let (a, b) = (member("a"), member("b"));
+        let first = wait(&list, &backend, &a, Instant::now() + FAR);
+        let second = wait(&list, &backend, &b, Instant::now() + FAR);
+        run_tasks().await;
+        let remaining = Duration::from_secs(1);
+        backend.set(
+            &a,
+            Status::Granted {
+                token: 9,
+                remaining,
+            },
+        );
+        list.grant(&a, 9, Until::Server(0));
+        list.grant(&b, 10, Until::Server(0));
+        assert!(matches!(
+            first.await.unwrap(),
+            Ok(Wake::Granted { token: 9, .. })
+        ));
+        // The backend does not confirm b's announcement (its replicas never acknowledged it).
+        assert!(matches!(second.await.unwrap(), Ok(Wake::Forgotten)));
+        assert_eq!(backend.touches(), [vec![a], vec![b]]);
+    }
+
+    #[tokio::test]
+    async fn the_line_refuses_beyond_its_bound_and_frees_a_place_on_drop() {
+        let list = Hub::new(None).waitlist("sem");
+        let first = list.register(member("a"), 2).unwrap();
+        let _second = list.register(member("b"), 2).unwrap();
+        assert_eq!(list.register(member("c"), 2).err(), Some(2));
+        drop(first);
+        assert!(list.register(member("c"), 2).is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_subscription_is_asked_for_once_and_given_up_when_idle() {
+        let (requests, mut asked) = mpsc::unbounded_channel();
+        let hub = Hub::new(Some(requests));
+        let list = hub.waitlist("sem");
+        let backend = Arc::new(Backend::default());
+        let (a, b) = (member("a"), member("b"));
+        let first = wait(&list, &backend, &a, Instant::now() + FAR);
+        let second = wait(&list, &backend, &b, Instant::now() + FAR);
+        let subscribing = asked.recv().await.unwrap();
+        assert_eq!(subscribing.key(), "sem");
+        run_tasks().await;
+        assert!(asked.try_recv().is_err(), "one request for the line");
+        list.subscribed(true);
+        assert!(!list.release_subscription(Duration::ZERO), "waiters remain");
+        first.abort();
+        second.abort();
+        let _ = (first.await, second.await);
+        assert!(list.release_subscription(Duration::ZERO));
+        assert!(!list.release_subscription(Duration::ZERO), "already off");
+    }
+
+    #[tokio::test]
+    async fn the_hub_forgets_lists_nobody_holds() {
+        let hub = Hub::new(None);
+        let kept = hub.waitlist("kept");
+        for i in 0..10_000 {
+            drop(hub.waitlist(&format!("gone-{i}")));
+        }
+        let lists = lock(&hub.lists).by_key.len();
+        assert!(lists <= 128, "{lists} lists kept for 1 live one");
+        assert!(Arc::ptr_eq(&hub.get("kept").unwrap(), &kept));
+        assert!(hub.get("gone-0").is_none());
+    }
+
+    #[test]
+    fn a_server_deadline_is_never_placed_later_than_the_server_reaches_it() {
+        let local = Instant::now();
+        let clock = ClockReading {
+            local,
+            server_us: 5_000_000,
+        };
+        assert_eq!(
+            clock.local_time_of(6_000_000),
+            local + Duration::from_secs(1)
+        );
+        assert_eq!(clock.local_time_of(5_000_000), local);
+        // Already past by the server's clock: at or before the reading.
+        assert!(clock.local_time_of(4_000_000) <= local);
+        assert!(clock.local_time_of(0) <= local);
+    }
+}

@@ -83,6 +83,11 @@ struct RedisSemaphore {
 #[derive(Default)]
 struct Outbox {
     releases: Vec<Arc<str>>,
+    /// Releases sent by a call other than an acquire and not answered yet. Every acquire call
+    /// sent meanwhile carries them again (releasing twice is harmless): the calls may reach the
+    /// server in either order (a cluster client does not keep the order of calls in flight),
+    /// and a slot this process gave back must be free for its own later acquires.
+    unanswered: Vec<Arc<str>>,
     /// A flush task is spawned and has not started yet: later releases wait for it.
     flush_pending: bool,
     /// An acquire call is in flight; whoever sent it passes the queued acquires on when it is
@@ -144,23 +149,7 @@ impl RedisSemaphore {
         until: Option<Instant>,
         args: impl Fn(&mut Cmd, bool),
     ) -> Result<Value, Error> {
-        // While an acquire call is in flight, only the acquire calls carry releases: a release
-        // must never reach the server before its member's acquire, and the acquire calls go
-        // one after another (a member still queued is taken out of the queue instead of
-        // released; see `release_later`).
-        let members = {
-            let mut outbox = self.outbox();
-            if op == "acquire" || !outbox.sending {
-                std::mem::take(&mut outbox.releases)
-            } else {
-                Vec::new()
-            }
-        };
-        let mut carried = Carried {
-            semaphore: self,
-            members,
-            settled: false,
-        };
+        let (mut carried, echoed) = self.releases_for(op);
         let replicas = self
             .shared
             .replicas
@@ -196,18 +185,18 @@ impl RedisSemaphore {
                     .arg(self.claim.as_millis() as u64)
                     .arg(promoted.map_or(0, |(_, fence)| fence.as_millis() as u64))
                     .arg(&self.tag)
-                    .arg(carried.members.len() + usize::from(releasing.is_some()));
+                    .arg(carried.members.len() + echoed.len() + usize::from(releasing.is_some()));
                 if let Some(member) = releasing {
                     command.arg(&*member.text);
                 }
-                for member in &carried.members {
+                for member in carried.members.iter().chain(&echoed) {
                     command.arg(&**member);
                 }
                 args(command, repeat);
             },
         )
         .await;
-        carried.settled = true;
+        carried.settle();
         let result = result.and_then(|(reply, acked)| match (self.shared.replicas, acked) {
             (Some(replicas), Some(acked)) if acked < i64::from(replicas.count) => {
                 Err(Error::backend(
@@ -228,6 +217,34 @@ impl RedisSemaphore {
             tracing::warn!(error = %e, count = carried.members.len(), "releases failed: those slots free when their leases end");
         }
         result
+    }
+
+    /// The releases a call of `op` carries: those waiting to be sent (the call owns them), and
+    /// for an acquire also those sent by other calls and not answered yet (echoed).
+    fn releases_for(&self, op: &str) -> (Carried<'_>, Vec<Arc<str>>) {
+        // While an acquire call is in flight, only the acquire calls carry releases: a release
+        // must never reach the server before its member's acquire, and the acquire calls go
+        // one after another (a member still queued is taken out of the queue instead of
+        // released; see `release_later`).
+        let mut outbox = self.outbox();
+        let acquire = op == "acquire";
+        let (members, echoed) = if acquire {
+            let echoed = outbox.unanswered.clone();
+            (std::mem::take(&mut outbox.releases), echoed)
+        } else if !outbox.sending {
+            let members = std::mem::take(&mut outbox.releases);
+            outbox.unanswered.extend(members.iter().cloned());
+            (members, Vec::new())
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let carried = Carried {
+            semaphore: self,
+            members,
+            unanswered: !acquire,
+            settled: false,
+        };
+        (carried, echoed)
     }
 
     /// A reading of the server's clock (µs) by a call sent at `sent`. The server reads its
@@ -550,7 +567,25 @@ impl<S: std::ops::Deref<Target = RedisSemaphore>> Drop for Sending<S> {
 struct Carried<'a> {
     semaphore: &'a RedisSemaphore,
     members: Vec<Arc<str>>,
+    /// The members are in the outbox's `unanswered` until this call is answered or dropped.
+    unanswered: bool,
     settled: bool,
+}
+
+impl Carried<'_> {
+    /// The call was answered (or failed): its members leave `unanswered`.
+    fn settle(&mut self) {
+        self.settled = true;
+        self.forget();
+    }
+
+    fn forget(&self) {
+        if self.unanswered && !self.members.is_empty() {
+            let members = &self.members;
+            (self.semaphore.outbox().unanswered)
+                .retain(|m| !members.iter().any(|c| Arc::ptr_eq(c, m)));
+        }
+    }
 }
 
 impl Drop for Carried<'_> {
@@ -558,6 +593,7 @@ impl Drop for Carried<'_> {
         if self.settled || self.members.is_empty() {
             return;
         }
+        self.forget();
         self.semaphore.outbox().releases.append(&mut self.members);
         self.semaphore.schedule_flush();
     }
@@ -984,6 +1020,7 @@ mod tests {
         drop(Carried {
             semaphore: &semaphore,
             members: vec![member.text.clone()],
+            unanswered: false,
             settled: false,
         });
         {
@@ -993,6 +1030,36 @@ mod tests {
         }
         // Sent again once; that call fails, and a failed call's releases are not retried.
         settle(|| semaphore.outbox().releases.is_empty()).await;
+    }
+
+    #[tokio::test]
+    async fn an_acquire_sent_while_a_release_is_unanswered_carries_it_too() {
+        let semaphore = unreachable();
+        let member = Member::new(1, LEASE);
+        semaphore.release_later(member.clone());
+        // A flush (or a read) takes the release and sends it; until it is answered, every
+        // acquire call also carries it, whichever of the two the server sees first.
+        let (mut flush, echoed) = semaphore.releases_for("release");
+        assert_eq!(
+            (flush.members.clone(), echoed),
+            (vec![member.text.clone()], vec![])
+        );
+        let (acquire, echoed) = semaphore.releases_for("acquire");
+        assert!(acquire.members.is_empty());
+        assert_eq!(echoed, std::slice::from_ref(&member.text));
+        drop(acquire);
+        flush.settle();
+        drop(flush);
+        let (_, echoed) = semaphore.releases_for("acquire");
+        assert!(echoed.is_empty(), "answered, it is no longer carried");
+
+        // A call dropped unanswered gives its releases back to be sent, and stops echoing them.
+        let other = Member::new(2, LEASE);
+        semaphore.outbox().releases.push(other.text.clone());
+        drop(semaphore.releases_for("used"));
+        let outbox = semaphore.outbox();
+        assert!(outbox.unanswered.is_empty());
+        assert_eq!(outbox.releases, [other.text]);
     }
 
     #[test]
