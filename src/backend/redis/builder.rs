@@ -151,8 +151,11 @@ impl RedisBackend {
     /// with the default settings of [`RedisBackend::sentinel_builder`].
     ///
     /// The backend never acts on a deposed master:
-    /// - it subscribes to a sentinel's `+switch-master` and asks it every 250 ms which node is
-    ///   the master; on a switch it drops the old master's connection at once;
+    /// - it subscribes to a sentinel's `+switch-master` and asks every sentinel every 250 ms
+    ///   which node is the master; a master counts as named only when more than half of all
+    ///   the sentinels name it (a sentinel not yet told of a failover is outvoted, and one
+    ///   ahead of the others waits for them). On a switch it drops the old master's
+    ///   connection at once;
     /// - a call goes only to a master the sentinels named within the last second (a process
     ///   that was frozen, or lost its sentinel, asks them first); a reconnect goes through
     ///   them too;
@@ -168,10 +171,14 @@ impl RedisBackend {
     ///   had not heard of the failover yet, has ended by then. Holders it knows keep renewing;
     ///   waiters queue and are served when the fence ends.
     ///
-    /// One gap is known (issue 27): a process that asks the sentinels right after a failover
-    /// takes the first one's answer, and a sentinel not yet told of the failover names the old
-    /// master. If that master is still writable (it was frozen or cut off through the
-    /// failover), the process may be granted there beside the new master's holders.
+    /// Why majorities: sentinels learn of a failover one by one, and none goes back to an
+    /// older configuration. A process confirmed on the old master by one majority and a
+    /// process that moved to the new one on the word of another share a sentinel, which
+    /// answered the first before the second; so every word for the old master was given before
+    /// anyone reached the new one, and the promotion fence outlasts what was granted on it.
+    /// While the sentinels disagree (a second or two of a failover), or fewer than half
+    /// answer, no master is confirmed and calls fail after a second (the outage policy
+    /// decides).
     ///
     /// With `wait_for_replicas` there is no fence: a grant counts once a replica has it, and
     /// Sentinel promotes the replica that has the most. What remains then is a grant on the
@@ -193,7 +200,7 @@ impl RedisBackend {
     /// # Errors
     ///
     /// [`Error::Config`] without a sentinel URL or a master name; [`Error::Backend`] when
-    /// no sentinel answers, none names the master, or it cannot be reached now.
+    /// no majority of the sentinels names one master, or it cannot be reached now.
     ///
     /// # Cancel safety
     ///
