@@ -525,3 +525,108 @@ async fn a_process_frozen_across_a_failover_wakes_on_the_new_master() {
     }
     panic!("the woken process is not served by the new master: {said}");
 }
+
+/// A sentinel of its own (`redis-server --sentinel`) that watches `MASTER` at `port` and
+/// knows nothing else: no other sentinel and no replica ever reach it, so it names that node
+/// for as long as it runs. Killed when dropped.
+struct LoneSentinel {
+    _child: tokio::process::Child,
+    url: String,
+    dir: std::path::PathBuf,
+}
+
+impl LoneSentinel {
+    async fn naming(port: u16) -> LoneSentinel {
+        let dir = std::env::temp_dir().join(format!("dlimit-sentinel-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let own = support::free_port();
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {own}\nbind 127.0.0.1\ndir {}\nsentinel monitor {MASTER} 127.0.0.1 {port} 1\n",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        let child = tokio::process::Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start a sentinel");
+        let url = format!("redis://127.0.0.1:{own}");
+        let lone = LoneSentinel {
+            _child: child,
+            url,
+            dir,
+        };
+        eventually(
+            Duration::from_secs(10),
+            "the lone sentinel to answer",
+            || async { lone.named().await == Some(port) },
+        )
+        .await;
+        lone
+    }
+
+    /// The port of the master it names.
+    async fn named(&self) -> Option<u16> {
+        let client = redis::Client::open(self.url.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+        let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
+            .arg("GET-MASTER-ADDR-BY-NAME")
+            .arg(MASTER)
+            .query_async(&mut conn)
+            .await
+            .ok()?;
+        addr.map(|(_, port)| port)
+    }
+}
+
+impl Drop for LoneSentinel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One sentinel names another writable node as the master (it has not heard of a failover
+/// yet, or it is misconfigured) and it is asked first: it is outvoted. Nothing is written to
+/// that node, at connect or on any later call (the heartbeat asks every sentinel again), and
+/// the limit is the one the master the others name keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_that_names_another_master_is_outvoted() {
+    let sentinels = Sentinels::start().await;
+    let stray = support::Redis::start().await;
+    let port = stray.url.rsplit(':').next().unwrap().parse().unwrap();
+    let lone = LoneSentinel::naming(port).await;
+    let mut urls = vec![lone.url.clone()];
+    urls.extend(sentinels.urls.iter().cloned());
+    let backend = RedisBackend::sentinel_builder(&urls, MASTER)
+        .call_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .expect("three of four sentinels name the master");
+    let sem = semaphore(backend);
+    let first = sem.acquire().await.unwrap();
+    // Past a few heartbeats, every one of which heard the lone sentinel name the stray node.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let second = sem.try_acquire().await;
+    assert!(
+        matches!(second, Ok(None)),
+        "the slot is taken on the master: {second:?}"
+    );
+    drop(first);
+    sem.acquire().await.unwrap().release().await.unwrap();
+    assert_eq!(
+        lone.named().await,
+        Some(port),
+        "still naming the stray node"
+    );
+    assert_eq!(
+        stray.dbsize().await,
+        0,
+        "nothing was written to the stray node"
+    );
+}
