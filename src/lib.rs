@@ -58,6 +58,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod adaptive;
 mod ask;
 mod backend;
 mod error;
@@ -74,6 +75,7 @@ mod sync;
 mod telemetry;
 mod waitlist;
 
+pub use adaptive::AdaptiveLimit;
 pub use ask::Ask;
 pub use backend::{
     Backend, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend, RedisBackendBuilder,
@@ -105,3 +107,8 @@ pub use redis;
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+/// The snippets of `docs/adaptive.md`, compiled by `cargo test --doc`.
+#[doc = include_str!("../docs/adaptive.md")]
+#[cfg(doctest)]
+pub struct AdaptiveDoctests;

@@ -6,6 +6,7 @@
 //! was granted.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -71,6 +72,9 @@ pub(crate) struct Claim {
     granted: Option<Instant>,
     /// Its grant also spent a rate limit's allowance, in the same backend call.
     rated: bool,
+    /// Its request was dropped or timed out downstream (`Permit::overloaded`): an adaptive
+    /// limit's congestion signal, sent with the release.
+    overloaded: AtomicBool,
 }
 
 impl Claim {
@@ -82,6 +86,7 @@ impl Claim {
             armed: true,
             granted: None,
             rated: false,
+            overloaded: AtomicBool::new(false),
         }
     }
 
@@ -126,7 +131,7 @@ impl Claim {
         if self.armed {
             self.origin
                 .store
-                .release(&self.member)
+                .release(&self.member, self.overloaded.load(Ordering::Relaxed))
                 .await
                 .inspect_err(|_| self.origin.telemetry.backend_error(Op::Release))?;
             self.armed = false;
@@ -149,7 +154,10 @@ impl Drop for Claim {
     fn drop(&mut self) {
         if self.armed {
             self.origin.keeper.forget(&self.member);
-            self.origin.store.release_later(self.member.clone());
+            let overloaded = self.overloaded.load(Ordering::Relaxed);
+            self.origin
+                .store
+                .release_later(self.member.clone(), overloaded);
             self.released();
         }
     }
@@ -227,6 +235,31 @@ impl Permit {
     /// backend was down: it counts against this process's local limit only (or none).
     pub fn is_degraded(&self) -> bool {
         self.claim.origin.degraded
+    }
+
+    /// Marks the request behind this permit as dropped or timed out downstream: a congestion
+    /// signal, sent with the release, that lowers an
+    /// [adaptive limit](crate::SemaphoreBuilder::adaptive) by a tenth (nothing for a fixed
+    /// limit). The layer calls it for you, for the answers
+    /// [`overloaded_when`](crate::DistributedConcurrencyLimitLayer::overloaded_when) names.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{AdaptiveLimit, MemoryBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("db")
+    ///     .adaptive(AdaptiveLimit::new().initial(10))
+    ///     .build(MemoryBackend::new())?;
+    /// let permit = sem.acquire().await?;
+    /// // ... the query behind it timed out:
+    /// permit.overloaded();
+    /// drop(permit);
+    /// # Ok(()) }
+    /// ```
+    pub fn overloaded(&self) {
+        self.claim.overloaded.store(true, Ordering::Relaxed);
     }
 
     /// Gives the permit back now and reports whether the backend took it. Idempotent: after a

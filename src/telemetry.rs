@@ -38,6 +38,7 @@ struct Handles {
     hold: metrics::Histogram,
     held: metrics::Gauge,
     waiters: metrics::Gauge,
+    limit: metrics::Gauge,
     lease_lost: metrics::Counter,
     /// `dlimit_backend_errors_total`, one per operation, in `OPS` order.
     backend_errors: [metrics::Counter; 4],
@@ -101,6 +102,7 @@ impl Telemetry {
                     hold: metrics::histogram!("dlimit_permit_hold_seconds", "semaphore" => label()),
                     held: metrics::gauge!("dlimit_permits_held", "semaphore" => label()),
                     waiters: metrics::gauge!("dlimit_waiters", "semaphore" => label()),
+                    limit: metrics::gauge!("dlimit_limit", "semaphore" => label()),
                     lease_lost: metrics::counter!("dlimit_lease_lost_total", "semaphore" => label()),
                     backend_errors: OPS.map(|op| {
                         metrics::counter!("dlimit_backend_errors_total", "semaphore" => label(), "op" => op)
@@ -147,6 +149,13 @@ impl Telemetry {
         }
     }
 
+    /// The limit in force, as the last reply said (it moves when the limit adapts).
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn limit(&self, limit: u32) {
+        #[cfg(feature = "metrics")]
+        self.handles.limit.set(f64::from(limit));
+    }
+
     /// A permit's lease was lost.
     pub(crate) fn lease_lost(&self) {
         #[cfg(feature = "metrics")]
@@ -188,6 +197,12 @@ fn describe() {
             "weight of the permits this process holds"
         );
         describe_gauge!("dlimit_waiters", Unit::Count, "this process's waiters");
+        describe_gauge!(
+            "dlimit_limit",
+            Unit::Count,
+            "the limit in force for every process, as this process last heard (an adaptive \
+             limit moves)"
+        );
         describe_counter!(
             "dlimit_lease_lost_total",
             Unit::Count,

@@ -103,6 +103,8 @@ async fn every_metric_is_emitted_with_its_labels() {
         metrics.get("dlimit_permits_held", &[("semaphore", "m")]),
         1.0
     );
+    // The limit in force, as the last acquisition heard it.
+    assert_eq!(metrics.get("dlimit_limit", &[("semaphore", "m")]), 1.0);
 
     // Full: try_acquire is rejected, acquire times out.
     assert!(sem.try_acquire().await.unwrap().is_none());

@@ -12,10 +12,11 @@ use super::gcra::{
     Cells, Gcra, OpenedRate, RateBackend, RateDecision, RateStore, Rated, sealed::OpenRate,
 };
 use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
-use crate::Error;
+use crate::adaptive::Gradient;
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Hub, KEEPALIVE, Refresh, Status, Until, Waitlist};
+use crate::{AdaptiveLimit, Error};
 
 /// An in-process backend with the same semantics as [`RedisBackend`](crate::RedisBackend):
 /// leases expire, weights add up, fencing tokens strictly increase, waiters are served in
@@ -82,6 +83,9 @@ struct AllPermits {
     semaphores: HashMap<Arc<str>, Permits>,
     /// One counter for every semaphore: strictly increasing per semaphore, never reset.
     fence: u64,
+    /// Idle semaphores kept for their adaptive limit are swept when the map reaches this size,
+    /// which then becomes twice the live count (never more than twice the live ones).
+    sweep_at: usize,
 }
 
 /// One semaphore's holders and line; removed from the map when both are empty (unless an
@@ -91,8 +95,13 @@ struct Permits {
     used: u32,
     /// The limit every semaphore of this name admits by: the first one's, or the one set.
     limit: u32,
-    /// Set by `set_limit`: kept while idle.
+    /// Set by `set_limit`: kept while idle, and no longer adapted.
     pinned: bool,
+    /// An adaptive limit's state: `limit` follows it. Kept while idle until `keep_until` (half
+    /// a lease past the latest lease, as Redis keeps it), so a pause in traffic does not
+    /// reset what was learnt.
+    gradient: Option<Gradient>,
+    keep_until: Instant,
     /// The line, by arrival; `queued` finds a member in it without a scan.
     queue: BTreeMap<u64, Member>,
     queued: HashMap<Arc<str>, u64>,
@@ -111,12 +120,14 @@ struct Holding {
 type Grant = (Arc<str>, u64, Instant);
 
 impl Permits {
-    fn new(limit: u32) -> Self {
+    fn new(limit: u32, adaptive: Option<AdaptiveLimit>) -> Self {
         Permits {
             holders: HashMap::new(),
             used: 0,
             limit,
             pinned: false,
+            gradient: adaptive.map(Gradient::new),
+            keep_until: Instant::now(),
             queue: BTreeMap::new(),
             queued: HashMap::new(),
             arrivals: 0,
@@ -132,6 +143,7 @@ impl Permits {
         };
         self.holders.insert(member.text.clone(), holding);
         self.used += member.weight;
+        self.keep_until = self.keep_until.max(now + member.lease + member.lease / 2);
         *fence += 1;
         *fence
     }
@@ -163,6 +175,15 @@ impl Permits {
             let token = self.hold(&member, now, fence);
             grants.push((member.text, token, now + member.lease));
         }
+    }
+
+    /// Nothing held, nothing waiting, and nothing to remember: no limit set by an operator, no
+    /// adaptive limit learnt recently.
+    fn forgettable(&self, now: Instant) -> bool {
+        self.holders.is_empty()
+            && self.queue.is_empty()
+            && !self.pinned
+            && (self.gradient.is_none() || now >= self.keep_until)
     }
 
     /// Pushes a holder's deadline to a full lease from now; `None` if it no longer holds.
@@ -204,13 +225,20 @@ impl MemoryBackend {
 }
 
 impl Open for MemoryBackend {
-    fn open(&self, name: &str, limit: u32, _claim: Duration) -> Opened {
+    fn open(
+        &self,
+        name: &str,
+        limit: u32,
+        adaptive: Option<AdaptiveLimit>,
+        _claim: Duration,
+    ) -> Opened {
         let waitlist = self.shared.hub.waitlist(name);
         Opened {
             store: Arc::new(MemorySemaphore {
                 shared: self.shared.clone(),
                 name: name.into(),
                 limit,
+                adaptive,
                 waitlist: waitlist.clone(),
             }),
             waitlist,
@@ -222,6 +250,7 @@ struct MemorySemaphore {
     shared: Arc<InProcess>,
     name: Arc<str>,
     limit: u32,
+    adaptive: Option<AdaptiveLimit>,
     waitlist: Arc<Waitlist>,
 }
 
@@ -236,14 +265,22 @@ impl MemorySemaphore {
         let mut grants = Vec::new();
         let result = {
             let mut guard = self.state();
-            let AllPermits { semaphores, fence } = &mut *guard;
+            let AllPermits {
+                semaphores,
+                fence,
+                sweep_at,
+            } = &mut *guard;
+            if !semaphores.contains_key(&self.name) && semaphores.len() >= *sweep_at {
+                semaphores.retain(|_, permits| !permits.forgettable(now));
+                *sweep_at = (semaphores.len() * 2).max(64);
+            }
             let permits = semaphores
                 .entry(self.name.clone())
-                .or_insert_with(|| Permits::new(self.limit));
+                .or_insert_with(|| Permits::new(self.limit, self.adaptive));
             permits.settle(now, fence, &mut grants);
             let result = op(permits, now, fence);
             permits.settle(now, fence, &mut grants);
-            if permits.holders.is_empty() && permits.queue.is_empty() && !permits.pinned {
+            if permits.forgettable(now) {
                 semaphores.remove(&self.name);
             }
             result
@@ -306,14 +343,25 @@ impl Store for MemorySemaphore {
         Box::pin(async move { Ok(attempt) })
     }
 
-    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
-        self.release_later(member.clone());
+    fn release<'a>(
+        &'a self,
+        member: &'a Member,
+        overloaded: bool,
+    ) -> BoxFuture<'a, Result<(), Error>> {
+        self.release_later(member.clone(), overloaded);
         Box::pin(async { Ok(()) })
     }
 
-    fn release_later(&self, member: Member) {
-        self.with(|permits, _, _| {
+    fn release_later(&self, member: Member, overloaded: bool) {
+        let epoch = self.shared.epoch;
+        self.with(|permits, now, _| {
             if let Some(holding) = permits.holders.remove(&member.text) {
+                if let Some(gradient) = permits.gradient.as_mut().filter(|_| !permits.pinned) {
+                    let held = now.saturating_duration_since(holding.granted);
+                    let now_ms = now.saturating_duration_since(epoch).as_millis() as u64;
+                    permits.limit =
+                        gradient.sample(now_ms, held.as_secs_f64() * 1e3, permits.used, overloaded);
+                }
                 permits.used -= holding.weight;
             } else if let Some(arrival) = permits.queued.remove(&member.text) {
                 permits.queue.remove(&arrival);
@@ -383,6 +431,16 @@ impl Store for MemorySemaphore {
             holding.is_some()
         });
         Box::pin(async move { Ok(evicted) })
+    }
+
+    fn limit_in_force(&self) -> Option<u32> {
+        let state = self.state();
+        Some(
+            state
+                .semaphores
+                .get(&self.name)
+                .map_or(self.limit, |permits| permits.limit),
+        )
     }
 
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {

@@ -16,11 +16,22 @@ use crate::sync::BoxFuture;
 use crate::waitlist::{ClockReading, Refresh, Waitlist};
 
 pub(crate) mod sealed {
-    /// Opens the permits of one semaphore name with its limit; `claim` is how long a grant
-    /// to a waiter stays provisional before its process must claim it (a backend that
-    /// announces grants to other processes uses it).
+    /// Opens the permits of one semaphore name with its limit (adapting within `adaptive`'s
+    /// bounds when given); `claim` is how long a grant to a waiter stays provisional before
+    /// its process must claim it (a backend that announces grants to other processes uses it).
     pub trait Open {
-        fn open(&self, name: &str, limit: u32, claim: std::time::Duration) -> super::Opened;
+        fn open(
+            &self,
+            name: &str,
+            limit: u32,
+            adaptive: Option<crate::AdaptiveLimit>,
+            claim: std::time::Duration,
+        ) -> super::Opened;
+
+        /// Why this backend cannot adapt a limit, if it cannot.
+        fn cannot_adapt(&self) -> Option<&'static str> {
+            None
+        }
     }
 }
 
@@ -155,12 +166,18 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
         false
     }
 
-    /// Removes the holder or waiter (absent is not an error) and admits whoever now fits.
-    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>>;
+    /// Removes the holder or waiter (absent is not an error) and admits whoever now fits. A
+    /// holder's hold is an adaptive limit's sample; `overloaded` marks its request as dropped
+    /// or timed out downstream.
+    fn release<'a>(
+        &'a self,
+        member: &'a Member,
+        overloaded: bool,
+    ) -> BoxFuture<'a, Result<(), Error>>;
 
     /// Releases `member` off the caller's path: at once in-process, or with this semaphore's
     /// next call to the backend (a flush task makes sure there is one soon).
-    fn release_later(&self, member: Member);
+    fn release_later(&self, member: Member, overloaded: bool);
 
     /// Extends the leases of `members` that still hold to a full lease; for each, the time left
     /// (from the backend's clock read at or after the call was sent), or `None` for those that
@@ -180,6 +197,12 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
 
     /// The semaphore now: its limit in force, used weight, waiters and holders.
     fn snapshot(&self) -> BoxFuture<'_, Result<Snapshot, Error>>;
+
+    /// The limit in force as this process last learnt it (from its last reply), if the
+    /// backend tells; for the `dlimit_limit` gauge.
+    fn limit_in_force(&self) -> Option<u32> {
+        None
+    }
 
     /// Makes `limit` the limit every process admits by, from now on.
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>>;

@@ -13,6 +13,7 @@ use tower::{BoxError, Service};
 use super::body::ResponseBody;
 use super::gate::{Gate, Pass};
 use super::http::HttpSettings;
+use super::limiter::Overloaded;
 use super::refused::Refused;
 use super::token::{FencingToken, scoped};
 use crate::Error;
@@ -20,11 +21,30 @@ use crate::Error;
 pub use super::gate::{AcquirePermit, CheckRate};
 
 /// How a [`Limited`] future ended without a response.
-pub(crate) enum Failure<E> {
+pub(crate) enum Failure<E, P> {
     /// Refused before the inner service saw the request.
     Refused(Refused),
-    /// The inner service failed.
-    Inner(E),
+    /// The inner service failed; the pass, for the flavour to judge and drop.
+    Inner(E, P),
+}
+
+/// The pass of a request the inner service is handling. Dropped before the response (an
+/// outer timeout, a client gone), it is marked overloaded: the request was dropped
+/// downstream, a congestion signal for an adaptive limit.
+struct InFlight<P: Pass>(Option<P>);
+
+impl<P: Pass> InFlight<P> {
+    fn take(&mut self) -> Option<P> {
+        self.0.take()
+    }
+}
+
+impl<P: Pass> Drop for InFlight<P> {
+    fn drop(&mut self) {
+        if let Some(pass) = &self.0 {
+            pass.overloaded();
+        }
+    }
 }
 
 /// Hands the token to the request itself, beyond [`FencingToken::current`].
@@ -58,7 +78,7 @@ pin_project! {
         Calling {
             #[pin]
             future: S::Future,
-            pass: Option<G::Pass>,
+            pass: InFlight<G::Pass>,
             token: Option<FencingToken>,
             // Resolves if the pass is void first (only when the layer aborts on it).
             lost: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
@@ -96,7 +116,7 @@ where
     S: Service<R>,
     G: Gate,
 {
-    type Output = Result<(S::Response, G::Pass), Failure<S::Error>>;
+    type Output = Result<(S::Response, G::Pass), Failure<S::Error, G::Pass>>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
@@ -119,7 +139,7 @@ where
                     let future = within(token, || service.call(request));
                     self.set(Limited::Calling {
                         future,
-                        pass: Some(pass),
+                        pass: InFlight(Some(pass)),
                         token,
                         lost,
                     });
@@ -147,7 +167,7 @@ where
                     };
                     return Poll::Ready(match result {
                         Ok(response) => Ok((response, pass)),
-                        Err(e) => Err(Failure::Inner(e)),
+                        Err(e) => Err(Failure::Inner(e, pass)),
                     });
                 }
                 LimitedProj::Lost => polled_after_completion(),
@@ -175,6 +195,7 @@ pin_project! {
     {
         #[pin]
         limited: Limited<S, R, G>,
+        overloaded: Overloaded,
     }
 }
 
@@ -183,8 +204,12 @@ where
     S: Service<R>,
     G: Gate,
 {
-    pub(crate) fn new(limited: Limited<S, R, G>) -> Self {
-        ResponseFuture { limited }
+    /// `overloaded` says which inner errors are congestion signals.
+    pub(crate) fn new(limited: Limited<S, R, G>, overloaded: Overloaded) -> Self {
+        ResponseFuture {
+            limited,
+            overloaded,
+        }
     }
 }
 
@@ -197,10 +222,17 @@ where
     type Output = Result<S::Response, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Poll::Ready(match ready!(self.project().limited.poll(cx)) {
+        let this = self.project();
+        Poll::Ready(match ready!(this.limited.poll(cx)) {
             // The permit is dropped, hence released, with the response.
             Ok((response, _pass)) => Ok(response),
-            Err(Failure::Inner(e)) => Err(e.into()),
+            Err(Failure::Inner(e, pass)) => {
+                let e = e.into();
+                if (this.overloaded.0)(&e) {
+                    pass.overloaded();
+                }
+                Err(e)
+            }
             Err(Failure::Refused(refused)) => Err(Box::new(refused.error)),
         })
     }
@@ -253,8 +285,17 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         Poll::Ready(match ready!(this.limited.poll(cx)) {
-            Ok((response, pass)) => Ok(pass.respond(response, this.settings)),
-            Err(Failure::Inner(e)) => Err(e),
+            Ok((response, pass)) => {
+                if (this.settings.overloaded)(response.status()) {
+                    pass.overloaded();
+                }
+                Ok(pass.respond(response, this.settings))
+            }
+            // No answer at all: the request failed downstream.
+            Err(Failure::Inner(e, pass)) => {
+                pass.overloaded();
+                Err(e)
+            }
             Err(Failure::Refused(refused)) => Ok(this.settings.reject(refused)),
         })
     }

@@ -39,6 +39,10 @@ mod sealed {
         /// Resolves if the pass is void before the response (a permit's lease lost).
         fn lost(&self) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>>;
 
+        /// The request failed or was dropped downstream: an adaptive limit's congestion
+        /// signal, sent when the pass is given back.
+        fn overloaded(&self);
+
         /// The HTTP flavour's response: the pass rides in the body, or adds its headers.
         fn respond<B>(
             self,
@@ -87,6 +91,10 @@ impl Pass for Held {
 
     fn lost(&self) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
         Some(Box::pin(self.lost_signal()))
+    }
+
+    fn overloaded(&self) {
+        Held::overloaded(self);
     }
 
     fn respond<B>(
@@ -157,6 +165,9 @@ impl Pass for Spent {
     fn lost(&self) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
         None
     }
+
+    // A rate decision is spent either way.
+    fn overloaded(&self) {}
 
     fn respond<B>(
         self,

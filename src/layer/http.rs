@@ -58,6 +58,8 @@ pub struct HttpSettings {
     /// HTTP responses).
     pub(crate) rate_headers: bool,
     pub(crate) on_refusal: Option<OnRefusal>,
+    /// Which answers of the inner service are congestion signals for an adaptive limit.
+    pub(crate) overloaded: fn(StatusCode) -> bool,
 }
 
 impl Default for HttpSettings {
@@ -72,8 +74,14 @@ impl Default for HttpSettings {
             policy_header: false,
             rate_headers: true,
             on_refusal: None,
+            overloaded: server_error,
         }
     }
+}
+
+/// A 5xx answer: the default congestion signal of the HTTP flavour.
+fn server_error(status: StatusCode) -> bool {
+    status.is_server_error()
 }
 
 impl HttpSettings {

@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
-use tower::Layer;
+use tower::{BoxError, Layer};
 
 use super::admit::{InPollReady, Weighable, Weighted};
 use super::flavour::{Http, Plain};
-use super::limiter::Limiter;
+use super::limiter::{ANY_ERROR, Limiter, Overloaded};
 use super::partitions::Partitions;
 use super::service::DistributedConcurrencyLimit;
 use super::spares::Spares;
@@ -147,9 +147,30 @@ impl<Admission> DistributedConcurrencyLimitLayer<Plain, Admission> {
                 reserve: None,
                 spares: Spares::default(),
                 rate: None,
+                overloaded: ANY_ERROR,
             },
             flavour: Plain,
         }
+    }
+
+    /// Which errors of the inner service are congestion signals for an
+    /// [adaptive limit](crate::SemaphoreBuilder::adaptive) (default: every one). A request
+    /// dropped before its response (an outer `tower::timeout`, a caller gone) always is. The
+    /// hold time, the limit's latency sample, needs nothing: it is the permit's, from grant to
+    /// the response.
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("jobs").limit(4).build(MemoryBackend::new()).unwrap();
+    /// // Only timeouts of the inner service's own say the downstream is overloaded.
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem)
+    ///     .overloaded_when(|e| e.is::<tower::timeout::error::Elapsed>());
+    /// # let _ = layer;
+    /// ```
+    pub fn overloaded_when(mut self, overloaded: fn(&BoxError) -> bool) -> Self {
+        self.limiter.overloaded = Overloaded(overloaded);
+        self
     }
 }
 
@@ -493,6 +514,28 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// ```
     pub fn release_at_head(mut self) -> Self {
         self.flavour.settings_mut().hold_until_body_end = false;
+        self
+    }
+
+    /// Which answers of the inner service are congestion signals for an
+    /// [adaptive limit](crate::SemaphoreBuilder::adaptive) (default: any 5xx). An inner error
+    /// (no answer at all) and a request dropped before its answer (an outer `tower::timeout`,
+    /// a client gone) always are.
+    ///
+    /// ```
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
+    /// use tower_distributed_limit::http::StatusCode;
+    ///
+    /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(sem)
+    ///     .http()
+    ///     .overloaded_when(|status| {
+    ///         status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::GATEWAY_TIMEOUT
+    ///     });
+    /// # let _ = layer;
+    /// ```
+    pub fn overloaded_when(mut self, overloaded: fn(StatusCode) -> bool) -> Self {
+        self.flavour.settings_mut().overloaded = overloaded;
         self
     }
 

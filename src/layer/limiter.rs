@@ -5,6 +5,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use tower::BoxError;
+
 use super::admit::Admit;
 use super::spares::{Held, Spares};
 use crate::{Error, Permit, RateLimiter, Semaphore};
@@ -24,7 +26,27 @@ pub(crate) struct Limiter<A> {
     pub(crate) spares: Spares,
     /// A rate limit decided with each permit, all or nothing (`rate_limit`).
     pub(crate) rate: Option<RateLimiter>,
+    /// The generic flavour's congestion signals: which inner errors mark a permit overloaded.
+    pub(crate) overloaded: Overloaded,
 }
+
+/// Which inner errors are congestion signals. A named type, not the bare `fn(&BoxError)`: a
+/// higher-ranked type inside a response future trips the compiler's `Send` checks of the
+/// callers' async blocks ("implementation of `From` is not general enough").
+#[derive(Clone, Copy)]
+pub(crate) struct Overloaded(pub(crate) fn(&BoxError) -> bool);
+
+impl std::fmt::Debug for Overloaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Overloaded(..)")
+    }
+}
+
+/// The generic flavour's default: every inner error is a congestion signal.
+pub(crate) const ANY_ERROR: Overloaded = Overloaded(|_| true);
+
+/// For a pass that has nothing to signal (a rate decision is spent either way).
+pub(crate) const NO_SIGNAL: Overloaded = Overloaded(|_| false);
 
 type Pending = Pin<Box<dyn Future<Output = Result<Permit, Error>> + Send>>;
 
@@ -105,6 +127,7 @@ impl<A> Limiter<A> {
             reserve: self.reserve,
             spares: self.spares,
             rate: self.rate,
+            overloaded: self.overloaded,
         }
     }
 

@@ -87,7 +87,7 @@ mod headers;
 pub(crate) mod http;
 mod key;
 mod layer;
-mod limiter;
+pub(crate) mod limiter;
 mod partitions;
 pub(crate) mod refusal;
 mod refused;

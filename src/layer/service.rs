@@ -163,7 +163,8 @@ where
     }
 
     fn call(&mut self, request: R) -> Self::Future {
-        ResponseFuture::new(self.start(request, unstamped))
+        let overloaded = self.limiter.overloaded;
+        ResponseFuture::new(self.start(request, unstamped), overloaded)
     }
 }
 

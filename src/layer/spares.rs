@@ -89,6 +89,13 @@ impl Held {
         self.permit.as_ref().map_or(0, Permit::fencing_token)
     }
 
+    /// Marks the request behind the permit as overloaded (see [`Permit::overloaded`]).
+    pub(crate) fn overloaded(&self) {
+        if let Some(permit) = &self.permit {
+            permit.overloaded();
+        }
+    }
+
     /// Resolves when the lease is lost.
     pub(crate) fn lost_signal(&self) -> impl Future<Output = ()> + Send + 'static {
         let lost = self.permit.as_ref().map(Permit::lost_signal);

@@ -11,6 +11,7 @@ use super::limiter::RateLimiter;
 use crate::layer::future::{
     CheckRate, HttpResponseFuture, Limited, ResponseFuture, Stamp, unstamped,
 };
+use crate::layer::limiter::NO_SIGNAL;
 use crate::layer::{Http, PartitionKey, Plain, Unkeyed, Unweighted, Weigh};
 
 /// What a layer and its services share: the limiter, where a request's key comes from, what
@@ -116,7 +117,7 @@ where
     }
 
     fn call(&mut self, request: R) -> Self::Future {
-        ResponseFuture::new(self.start(request, unstamped))
+        ResponseFuture::new(self.start(request, unstamped), NO_SIGNAL)
     }
 }
 

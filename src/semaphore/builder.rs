@@ -3,11 +3,11 @@
 use std::time::Duration;
 
 use super::Semaphore;
-use crate::Error;
 use crate::backend::Backend;
 use crate::name::check_name_len;
 use crate::outage::OutagePolicy;
 use crate::telemetry::Telemetry;
+use crate::{AdaptiveLimit, Error};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
@@ -22,6 +22,8 @@ pub(super) struct Settings {
     pub(super) name: String,
     pub(super) telemetry: Telemetry,
     pub(super) limit: u32,
+    /// The bounds an adaptive limit moves in (`limit` is then its initial value).
+    pub(super) adaptive: Option<AdaptiveLimit>,
     pub(super) lease: Duration,
     pub(super) acquire_timeout: Duration,
     pub(super) max_waiters: usize,
@@ -44,6 +46,7 @@ pub(super) struct Settings {
 pub struct SemaphoreBuilder {
     name: String,
     limit: Option<u32>,
+    adaptive: Option<AdaptiveLimit>,
     lease: Duration,
     acquire_timeout: Duration,
     max_waiters: usize,
@@ -57,6 +60,31 @@ impl SemaphoreBuilder {
     /// How many permits may be out at once, across every process (required, at least 1).
     pub fn limit(mut self, limit: u32) -> Self {
         self.limit = Some(limit);
+        self
+    }
+
+    /// A limit found from latency instead of a fixed one: it starts at `adaptive`'s initial
+    /// limit and moves within its bounds as permits are released, for every process at once
+    /// (see [`AdaptiveLimit`]). Use it instead of [`limit`](Self::limit).
+    ///
+    /// The first process to open the semaphore (while nobody holds or waits) decides whether
+    /// it adapts, as it decides the limit: a process built with a fixed limit admits by the
+    /// adaptive limit in force (and logs a warning that its own differs), and its releases
+    /// are samples too. [`Semaphore::set_limit`] pins the limit: it stops adapting until the
+    /// semaphore falls idle and is opened again.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{AdaptiveLimit, MemoryBackend, Semaphore};
+    ///
+    /// let sem = Semaphore::builder("search")
+    ///     .adaptive(AdaptiveLimit::new().initial(16).min(4).max(256))
+    ///     .build(MemoryBackend::new())?;
+    /// # let _ = sem; Ok::<(), tower_distributed_limit::Error>(())
+    /// ```
+    pub fn adaptive(mut self, adaptive: AdaptiveLimit) -> Self {
+        self.adaptive = Some(adaptive);
         self
     }
 
@@ -118,7 +146,8 @@ impl SemaphoreBuilder {
     /// # Errors
     ///
     /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes, a missing or zero
-    /// limit, a lease under 1 ms or over 49 days, a claim window under 1 ms, a zero acquire
+    /// limit, both a limit and an adaptive one, adaptive bounds out of order (see
+    /// [`AdaptiveLimit`]) or on a backend that cannot adapt ([`QuorumBackend`](crate::QuorumBackend)), a lease under 1 ms or over 49 days, a claim window under 1 ms, a zero acquire
     /// timeout or `max_waiters`, or a local outage limit of 0. Nothing is sent to the backend.
     pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
         if self.name.is_empty() {
@@ -127,20 +156,39 @@ impl SemaphoreBuilder {
             ));
         }
         check_name_len("semaphore", &self.name)?;
-        let limit = match self.limit {
-            None => {
+        let limit = match (self.limit, self.adaptive) {
+            (Some(_), Some(_)) => {
                 return Err(Error::config(format!(
-                    "semaphore {:?} has no limit; call .limit(n) with n >= 1",
+                    "semaphore {:?} has both a limit and an adaptive limit; keep one (an \
+                     adaptive limit starts at its initial limit)",
                     self.name
                 )));
             }
-            Some(0) => {
-                return Err(Error::config(format!(
-                    "semaphore {:?} has limit 0, which admits nobody; use a limit of at least 1",
-                    self.name
-                )));
+            (None, Some(adaptive)) => {
+                adaptive.check(&self.name)?;
+                if let Some(why) = backend.cannot_adapt() {
+                    return Err(Error::config(format!(
+                        "semaphore {:?}: an adaptive limit {why}",
+                        self.name
+                    )));
+                }
+                adaptive.initial
             }
-            Some(limit) => limit,
+            (limit, None) => match limit {
+                None => {
+                    return Err(Error::config(format!(
+                        "semaphore {:?} has no limit; call .limit(n) with n >= 1",
+                        self.name
+                    )));
+                }
+                Some(0) => {
+                    return Err(Error::config(format!(
+                        "semaphore {:?} has limit 0, which admits nobody; use a limit of at least 1",
+                        self.name
+                    )));
+                }
+                Some(limit) => limit,
+            },
         };
         if self.lease < Duration::from_millis(1) || self.lease > MAX_LEASE {
             return Err(Error::config(format!(
@@ -181,6 +229,7 @@ impl SemaphoreBuilder {
                     name: self.name.clone(),
                     telemetry: Telemetry::new(self.label.as_deref().unwrap_or(&self.name)),
                     limit: local,
+                    adaptive: None,
                     lease: self.lease,
                     acquire_timeout: self.acquire_timeout,
                     max_waiters: self.max_waiters,
@@ -199,6 +248,7 @@ impl SemaphoreBuilder {
             telemetry: Telemetry::new(self.label.as_deref().unwrap_or(&self.name)),
             name: self.name,
             limit,
+            adaptive: self.adaptive,
             lease: self.lease,
             acquire_timeout: self.acquire_timeout,
             max_waiters: self.max_waiters,
@@ -231,6 +281,7 @@ impl Semaphore {
         SemaphoreBuilder {
             name: name.into(),
             limit: None,
+            adaptive: None,
             lease: DEFAULT_LEASE,
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             max_waiters: DEFAULT_MAX_WAITERS,

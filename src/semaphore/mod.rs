@@ -90,8 +90,12 @@ impl Semaphore {
         fallback: Option<Semaphore>,
         degraded: bool,
     ) -> Semaphore {
-        let Opened { store, waitlist } =
-            backend.open(&settings.name, settings.limit, settings.claim);
+        let Opened { store, waitlist } = backend.open(
+            &settings.name,
+            settings.limit,
+            settings.adaptive,
+            settings.claim,
+        );
         let origin = Arc::new(Origin {
             name: settings.name.clone(),
             keeper: Keeper::new(
@@ -250,6 +254,9 @@ impl Semaphore {
         };
         let waited = started.elapsed();
         telemetry.acquire(outcome, waited);
+        if let Some(limit) = self.inner.origin.store.limit_in_force() {
+            telemetry.limit(limit);
+        }
         let span = tracing::Span::current();
         span.record("outcome", outcome.as_str());
         span.record("wait_ms", waited.as_secs_f64() * 1000.0);
@@ -369,7 +376,8 @@ impl Semaphore {
     /// Without `set_limit`, the first process to use a semaphore stores its configured limit
     /// and the others adopt it (a warning is logged where a process was built with another);
     /// that stored limit goes away when the semaphore falls idle and its keys expire. A set
-    /// limit stays.
+    /// limit stays. On a semaphore whose limit [adapts](crate::SemaphoreBuilder::adaptive),
+    /// `set_limit` pins it: it stays where it was set and stops adapting.
     ///
     /// # Example
     ///

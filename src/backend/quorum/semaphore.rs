@@ -11,10 +11,10 @@ use redis::{Script, Value};
 use tokio::time::Instant;
 
 use super::{Nodes, QuorumBackend};
-use crate::Error;
 use crate::backend::health;
 use crate::backend::redis::CALLS;
 use crate::backend::store::{Opened, sealed::Open};
+use crate::{AdaptiveLimit, Error};
 
 /// Every operation on one node, in one script.
 static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../lua/quorum.lua")));
@@ -23,7 +23,14 @@ static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../
 const GRACE: Duration = Duration::from_millis(10);
 
 impl Open for QuorumBackend {
-    fn open(&self, name: &str, limit: u32, _claim: Duration) -> Opened {
+    fn open(
+        &self,
+        name: &str,
+        limit: u32,
+        // Refused at build (`cannot_adapt`).
+        _adaptive: Option<AdaptiveLimit>,
+        _claim: Duration,
+    ) -> Opened {
         // No hash tag: the nodes are independent masters, not a cluster.
         let base = format!("{}quorum:{name}", self.prefix);
         let channel = format!("{base}:freed");
@@ -46,6 +53,16 @@ impl Open for QuorumBackend {
             }),
             waitlist,
         }
+    }
+
+    fn cannot_adapt(&self) -> Option<&'static str> {
+        // Each node would adapt on the releases it sees, and a grant needs a majority of them:
+        // no one limit would be in force anywhere.
+        Some(
+            "needs one store that decides every grant and sees every release; on a quorum each \
+             node would move its own limit, so none would be in force for the fleet. Use a \
+             fixed limit (or a RedisBackend, Sentinel or Cluster)",
+        )
     }
 }
 

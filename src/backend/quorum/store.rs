@@ -52,14 +52,19 @@ impl Store for QuorumSemaphore {
         })
     }
 
-    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
+    // A quorum never adapts its limit, so `overloaded` means nothing here.
+    fn release<'a>(
+        &'a self,
+        member: &'a Member,
+        _overloaded: bool,
+    ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
             self.give_back(member).await;
             Ok(())
         })
     }
 
-    fn release_later(&self, member: Member) {
+    fn release_later(&self, member: Member, _overloaded: bool) {
         let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
         else {
             tracing::warn!(

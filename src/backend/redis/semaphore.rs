@@ -3,7 +3,7 @@
 //! next call; acquires that arrive while one is in flight go together in the next: a group
 //! commit).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -14,12 +14,12 @@ use tokio::time::Instant;
 use super::keys::{hash_tag, slot_tag};
 use super::script::{Lua, invoke};
 use super::{Connection, RedisBackend};
-use crate::Error;
 use crate::backend::gcra::{RateKey, Rated};
 use crate::backend::store::{Attempt, Member, Mode, Opened, Store, process_tag, sealed::Open};
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, PATIENCE, Refresh, Status};
+use crate::{AdaptiveLimit, Error};
 
 /// Every operation on a semaphore, in one script.
 static SEMAPHORE: Lua = Lua::new(concat!(
@@ -27,6 +27,7 @@ static SEMAPHORE: Lua = Lua::new(concat!(
     include_str!("../lua/semaphore/args.lua"),
     include_str!("../lua/semaphore/fence.lua"),
     include_str!("../lua/semaphore/sweep.lua"),
+    include_str!("../lua/semaphore/adapt.lua"),
     include_str!("../lua/semaphore/holders.lua"),
     include_str!("../lua/semaphore/line.lua"),
     include_str!("../lua/semaphore/ops.lua")
@@ -40,8 +41,14 @@ const STEP_US: i64 = 500_000;
 const BATCH: usize = 1000;
 
 impl Open for RedisBackend {
-    fn open(&self, name: &str, limit: u32, claim: Duration) -> Opened {
-        let store = RedisSemaphore::new(self, name, limit, claim);
+    fn open(
+        &self,
+        name: &str,
+        limit: u32,
+        adaptive: Option<AdaptiveLimit>,
+        claim: Duration,
+    ) -> Opened {
+        let store = RedisSemaphore::new(self, name, limit, adaptive, claim);
         // Grants to this process's members are announced on its own channel (see the script),
         // and reach the waitlist through the hub.
         let waitlist = (self.shared.hub).waitlist(&format!("{}:{}", store.channel, store.tag));
@@ -71,8 +78,14 @@ struct RedisSemaphore {
     clock: Mutex<Option<i64>>,
     /// The limit this process was built with; the one in force is stored with the semaphore.
     limit: u32,
+    /// How the script is told the limit: `<limit>`, or `<initial>/<min>/<max>` for an adaptive
+    /// one (the process that creates the semaphore's state decides which).
+    limit_arg: String,
+    adaptive: bool,
     /// A warning about the two limits differing was logged.
     warned: AtomicBool,
+    /// The limit in force, as the last reply said (0: none yet).
+    in_force: AtomicU32,
     outbox: Mutex<Outbox>,
 }
 
@@ -107,8 +120,15 @@ struct Queued {
 }
 
 impl RedisSemaphore {
-    /// The semaphore `name` on `backend`, built with `limit` and the claim window `claim`.
-    fn new(backend: &RedisBackend, name: &str, limit: u32, claim: Duration) -> Arc<Self> {
+    /// The semaphore `name` on `backend`, built with `limit` (adapting within `adaptive`) and
+    /// the claim window `claim`.
+    fn new(
+        backend: &RedisBackend,
+        name: &str,
+        limit: u32,
+        adaptive: Option<AdaptiveLimit>,
+        claim: Duration,
+    ) -> Arc<Self> {
         let base = format!("{}{}", backend.prefix, hash_tag(name));
         Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
@@ -117,7 +137,13 @@ impl RedisSemaphore {
             promoted: (backend.shared.promotion_fence)
                 .map(|fence| (format!("{}dlimit-promoted", backend.prefix), fence)),
             warned: AtomicBool::new(false),
+            in_force: AtomicU32::new(0),
             limit,
+            limit_arg: match adaptive {
+                Some(AdaptiveLimit { initial, min, max }) => format!("{initial}/{min}/{max}"),
+                None => limit.to_string(),
+            },
+            adaptive: adaptive.is_some(),
             channel: format!("{base}:granted"),
             tag: format!("{:08x}", process_tag()),
             claim,
@@ -145,7 +171,7 @@ impl RedisSemaphore {
         &self,
         op: &'static str,
         rate_key: Option<&str>,
-        releasing: Option<&Member>,
+        releasing: Option<&str>,
         until: Option<Instant>,
         args: impl Fn(&mut Cmd, bool),
     ) -> Result<Value, Error> {
@@ -180,14 +206,14 @@ impl RedisSemaphore {
                     .arg(op)
                     .arg(&self.channel)
                     .arg(self.shared.publisher())
-                    .arg(self.limit)
+                    .arg(&self.limit_arg)
                     .arg(PATIENCE.as_millis() as u64)
                     .arg(self.claim.as_millis() as u64)
                     .arg(promoted.map_or(0, |(_, fence)| fence.as_millis() as u64))
                     .arg(&self.tag)
                     .arg(carried.members.len() + echoed.len() + usize::from(releasing.is_some()));
                 if let Some(member) = releasing {
-                    command.arg(&*member.text);
+                    command.arg(member);
                 }
                 for member in carried.members.iter().chain(&echoed) {
                     command.arg(&**member);
@@ -275,7 +301,14 @@ impl RedisSemaphore {
 
     /// Logs once when the limit in force is not the one this process was built with.
     fn note_limit(&self, limit: i64) {
-        if limit != i64::from(self.limit) && !self.warned.swap(true, Ordering::Relaxed) {
+        if let Ok(limit) = u32::try_from(limit) {
+            self.in_force.store(limit, Ordering::Relaxed);
+        }
+        // An adaptive limit moves; only a fixed one can differ from the one in force.
+        if !self.adaptive
+            && limit != i64::from(self.limit)
+            && !self.warned.swap(true, Ordering::Relaxed)
+        {
             tracing::warn!(
                 configured = self.limit,
                 in_force = limit,
@@ -599,6 +632,16 @@ impl Drop for Carried<'_> {
     }
 }
 
+/// How a release names its member: `!` before it marks an overloaded hold, an adaptive
+/// limit's congestion signal (see `lua/semaphore/adapt.lua`).
+fn released(member: &Arc<str>, overloaded: bool) -> Arc<str> {
+    if overloaded {
+        format!("!{member}").into()
+    } else {
+        member.clone()
+    }
+}
+
 /// The word the script takes for each mode.
 fn mode_word(mode: Mode) -> &'static str {
     match mode {
@@ -619,16 +662,25 @@ impl Store for RedisSemaphore {
         Box::pin(self.acquire_batched(member, mode, until, rate))
     }
 
+    fn limit_in_force(&self) -> Option<u32> {
+        Some(self.in_force.load(Ordering::Relaxed)).filter(|&limit| limit > 0)
+    }
+
     fn combines(&self, rate: &RateKey) -> bool {
         // One call reaches both keys: the same connection, and on a cluster the same slot.
         rate.backend == Arc::as_ptr(&self.shared) as usize
             && (!self.shared.cluster || slot_tag(&rate.key) == slot_tag(&self.keys[0]))
     }
 
-    fn release<'a>(&'a self, member: &'a Member) -> BoxFuture<'a, Result<(), Error>> {
+    fn release<'a>(
+        &'a self,
+        member: &'a Member,
+        overloaded: bool,
+    ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
+            let text = released(&member.text, overloaded);
             match self
-                .run("release", None, Some(member), None, |_, _| {})
+                .run("release", None, Some(&text), None, |_, _| {})
                 .await?
             {
                 Value::Int(_) => Ok(()),
@@ -637,7 +689,7 @@ impl Store for RedisSemaphore {
         })
     }
 
-    fn release_later(&self, member: Member) {
+    fn release_later(&self, member: Member, overloaded: bool) {
         let mut outbox = self.outbox();
         // Still queued behind the call in flight: never sent, so it is only taken out of the
         // queue. Released instead, the release could reach the server first (carried by
@@ -647,7 +699,7 @@ impl Store for RedisSemaphore {
         if outbox.acquires.len() < queued {
             return;
         }
-        outbox.releases.push(member.text);
+        outbox.releases.push(released(&member.text, overloaded));
         // An acquire call in flight passes the releases on when it is answered.
         if !outbox.sending {
             drop(outbox);
@@ -877,7 +929,7 @@ mod tests {
         let backend = RedisBackend::builder("redis://127.0.0.1:1")
             .connect_lazy()
             .unwrap();
-        RedisSemaphore::new(&backend, "outbox", 5, Duration::from_secs(1))
+        RedisSemaphore::new(&backend, "outbox", 5, None, Duration::from_secs(1))
     }
 
     /// Lets the spawned tasks run until `done` holds.
@@ -970,7 +1022,7 @@ mod tests {
         assert!(waiter.await.unwrap_err().is_cancelled());
         // The caller's claim gives the member back: it was never sent, so no release is kept
         // for a call that could reach the server before the acquire would.
-        semaphore.release_later(member);
+        semaphore.release_later(member, false);
         let outbox = semaphore.outbox();
         assert!(outbox.acquires.is_empty() && outbox.releases.is_empty());
     }
@@ -980,7 +1032,7 @@ mod tests {
         let semaphore = unreachable();
         semaphore.outbox().sending = true;
         let member = Member::new(1, LEASE);
-        semaphore.release_later(member.clone());
+        semaphore.release_later(member.clone(), false);
         // A read while the acquire call is in flight carries nothing (and fails: Redis is
         // down); the release waits for the acquire chain.
         assert!(
@@ -997,7 +1049,7 @@ mod tests {
         let semaphore = unreachable();
         semaphore.outbox().sending = true;
         let member = Member::new(1, LEASE);
-        semaphore.release_later(member.clone());
+        semaphore.release_later(member.clone(), false);
         {
             let outbox = semaphore.outbox();
             assert_eq!(outbox.releases, [member.text]);
@@ -1036,7 +1088,7 @@ mod tests {
     async fn an_acquire_sent_while_a_release_is_unanswered_carries_it_too() {
         let semaphore = unreachable();
         let member = Member::new(1, LEASE);
-        semaphore.release_later(member.clone());
+        semaphore.release_later(member.clone(), false);
         // A flush (or a read) takes the release and sends it; until it is answered, every
         // acquire call also carries it, whichever of the two the server sees first.
         let (mut flush, echoed) = semaphore.releases_for("release");
@@ -1071,14 +1123,14 @@ mod tests {
         let semaphore = runtime.block_on(async { unreachable() });
         let (a, b) = (Member::new(1, LEASE), Member::new(2, LEASE));
         // Outside a runtime, no task can be spawned: the release waits for the next call.
-        semaphore.release_later(a.clone());
+        semaphore.release_later(a.clone(), false);
         {
             let outbox = semaphore.outbox();
             assert_eq!(outbox.releases, [a.text]);
             assert!(!outbox.flush_pending);
         }
         runtime.block_on(async {
-            semaphore.release_later(b);
+            semaphore.release_later(b, false);
             assert!(semaphore.outbox().flush_pending);
             settle(|| semaphore.outbox().releases.is_empty()).await;
         });

@@ -1,6 +1,6 @@
 -- One distributed, first-come-first-served semaphore. Every operation is one call of this
 -- script, so it runs atomically; times come from the Redis server clock, never a client's.
--- The script is this file and the five after it, in order (fence, sweep, holders, line, ops;
+-- The script is this file and the six after it, in order (fence, sweep, adapt, holders, line, ops;
 -- `semaphore.rs` joins them after `gcra.lua`); each part's locals are the next parts' too.
 --
 -- KEYS[1] holders: zset, member -> lease deadline (ms)
@@ -15,7 +15,9 @@
 --                  counts them), `s:<process tag>`
 --                  = when a provisional grant of that process ran out unclaimed (ms): the
 --                  process is silent (frozen or dead), and its other waiters are passed over
---                  until it makes a call
+--                  until it makes a call; `adaptive` = "<min>/<max>" when the limit adapts
+--                  (set with the state by the process that creates it), and its state in
+--                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over` (adapt.lua)
 -- KEYS[3] queue:   zset, member -> arrival (µs, strictly increasing): who waits, oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
@@ -28,10 +30,12 @@
 -- when nothing is held past that horizon); queue and alive expire with the latest waiter
 -- deadline.
 --
--- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or SPUBLISH on a cluster), limit,
+-- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or
+-- SPUBLISH on a cluster), the caller's limit (`<n>`, or `<initial>/<min>/<max>` adaptive),
 -- patience ms, claim ms, promotion fence ms (0: none), the caller's process tag, k, then k
 -- members to release
--- (holders or waiters; absent ones are ignored), then the operation's arguments:
+-- (holders or waiters; absent ones are ignored; `!` before one marks its hold overloaded, a
+-- congestion signal for an adaptive limit), then the operation's arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
 --       -> per member, in order: {1, token, left µs, now µs, limit} granted
 --          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
@@ -59,7 +63,9 @@
 -- to get its full lease; each grant is published as "<member> <token> <deadline ms>" on
 -- "<channel>:<the member's process>", which only that process subscribes to. "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
 local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local op, channel, publisher, limit = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+local op, channel, publisher = ARGV[1], ARGV[2], ARGV[3]
+local initial, adapt_min, adapt_max = string.match(ARGV[4], '^(%d+)/(%d+)/(%d+)$')
+local limit = tonumber(initial or ARGV[4])
 local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
 local promotion_fence = tonumber(ARGV[7])
 local caller = ARGV[8]
@@ -85,12 +91,20 @@ local function parse(member)
   return tonumber(weight) or 0, tonumber(lease) or 0
 end
 
+-- A member to release, and whether its hold was marked overloaded (`!` before it).
+local function released_member(text)
+  if string.byte(text, 1) == 33 then
+    return string.sub(text, 2), true
+  end
+  return text, false
+end
+
 local function left(deadline)
   return deadline * 1000 - now_us
 end
 
 local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
-  'line', 'arrived', 'pending', 's:' .. caller)
+  'line', 'arrived', 'pending', 's:' .. caller, 'adaptive')
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local line = tonumber(stored[7]) or 0
@@ -111,10 +125,14 @@ end
 -- One limit for every process: the one stored with the semaphore, else this caller's, stored
 -- for the others to adopt.
 local pinned = stored[6] == '1'
+-- Whether the limit adapts ("<min>/<max>"), decided with the limit by whoever stores it.
+-- (A missing field reads as false.)
+local adaptive = stored[11] or nil
 if tonumber(stored[5]) then
   limit = tonumber(stored[5])
 else
   changed = true
+  adaptive = adapt_min and (adapt_min .. '/' .. adapt_max) or nil
 end
 if op == 'set_limit' then
   limit = tonumber(ARGV[args])

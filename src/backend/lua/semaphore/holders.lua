@@ -1,4 +1,4 @@
--- Part 4 of the semaphore script: holders granted, extended and released; an operator's evict.
+-- Part 5 of the semaphore script: holders granted, extended and released; an operator's evict.
 
 -- Holders and meta outlive the latest lease by at most half a lease (meta's TTL is set once,
 -- at the end).
@@ -46,8 +46,14 @@ end
 
 local removed = 0
 for i = 10, args - 1 do
-  local member = ARGV[i]
+  local member, overloaded = released_member(ARGV[i])
   if redis.call('ZREM', holders, member) == 1 then
+    if adaptive and not pinned then
+      local granted = tonumber(redis.call('HGET', since, member))
+      if granted then
+        sample(now - granted, used, overloaded)
+      end
+    end
     redis.call('HDEL', since, member)
     settle_pending(member)
     used = used - parse(member)

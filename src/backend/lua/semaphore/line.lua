@@ -1,4 +1,4 @@
--- Part 5 of the semaphore script: the line, first come first served: waiters admitted in
+-- Part 6 of the semaphore script: the line, first come first served: waiters admitted in
 -- arrival order, queued, and the retry hint.
 
 -- Admit waiters in arrival order while the oldest fits; forget waiters that stopped answering

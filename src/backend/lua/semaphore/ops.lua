@@ -1,4 +1,4 @@
--- Part 6 of the semaphore script: each operation's work and reply.
+-- Part 7 of the semaphore script: each operation's work and reply.
 
 local reply
 if op == 'acquire' then
@@ -7,7 +7,8 @@ if op == 'acquire' then
   -- meanwhile: it is not added.
   local cancelled = {}
   for i = 10, args - 1 do
-    cancelled[ARGV[i]] = true
+    local member = released_member(ARGV[i])
+    cancelled[member] = true
   end
   -- A rate limit (KEYS[6]) decided with each acquire that would be granted at once.
   local rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
@@ -124,6 +125,11 @@ if changed then
       table.insert(fields, 'pending')
       table.insert(fields, int(math.max(pending, 0)))
     end
+    if adaptive and adaptive ~= stored[11] then
+      table.insert(fields, 'adaptive')
+      table.insert(fields, adaptive)
+    end
+    gradient_fields(fields)
     if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
       table.insert(fields, 'limit')
       table.insert(fields, int(limit))

@@ -1,0 +1,71 @@
+-- Part 4 of the semaphore script: the adaptive limit, moved by the hold times of the holders
+-- released here (src/adaptive.rs has the same steps, their reasons and their tests). Only
+-- explicit releases are samples: a holder whose lease ran out (a crash) says nothing of the
+-- downstream's latency. A pinned limit (set_limit) does not adapt.
+
+local WINDOW_MS, MIN_SAMPLES = 100, 10
+local SMOOTHING, TOLERANCE, DRIFT, BACKOFF = 0.5, 1.05, 0.001, 0.9
+-- The state, read from meta at the first sample of the call and written back with meta.
+local gradient = nil
+
+-- One release: held `held_ms`, with `in_flight` held just before it, overloaded or not.
+local function sample(held_ms, in_flight, overloaded)
+  if not adaptive or pinned then
+    return
+  end
+  local g = gradient
+  if not g then
+    local low, high = string.match(adaptive, '^(%d+)/(%d+)$')
+    local a = redis.call('HMGET', meta, 'a:lim', 'a:noload', 'a:start', 'a:n', 'a:sum', 'a:peak',
+      'a:over')
+    g = {low = tonumber(low) or 1, high = tonumber(high) or limit, lim = tonumber(a[1]) or limit,
+      noload = tonumber(a[2]), start = tonumber(a[3]), n = tonumber(a[4]) or 0,
+      sum = tonumber(a[5]) or 0, peak = tonumber(a[6]) or 0, over = a[7] == '1'}
+    gradient = g
+  end
+  g.start = g.start or now
+  g.n = g.n + 1
+  g.sum = g.sum + math.max(held_ms, 0)
+  g.peak = math.max(g.peak, in_flight)
+  g.over = g.over or overloaded
+  if now - g.start < WINDOW_MS or g.n < MIN_SAMPLES then
+    return
+  end
+  local latency = math.max(g.sum / g.n, 0.001)
+  if g.noload and latency > g.noload then
+    g.noload = g.noload + (latency - g.noload) * DRIFT
+  else
+    g.noload = latency
+  end
+  local target
+  if g.over then
+    target = g.lim * BACKOFF
+  else
+    local slope = math.min(math.max(TOLERANCE * g.noload / latency, 0.5), 1)
+    target = g.lim * slope + math.sqrt(g.lim) / 3
+    if g.peak < g.lim / 2 then
+      target = math.min(target, g.lim)
+    end
+  end
+  g.lim = math.min(math.max(g.lim * (1 - SMOOTHING) + target * SMOOTHING, g.low), g.high)
+  g.start, g.n, g.sum, g.peak, g.over = nil, 0, 0, 0, false
+  limit = math.floor(g.lim + 0.5)
+  changed = true
+end
+
+-- The state's fields, to write with meta.
+local function gradient_fields(fields)
+  local g = gradient
+  if not g then
+    return
+  end
+  local function real(x)
+    return x and string.format('%.6f', x) or ''
+  end
+  for _, field in ipairs({{'a:lim', real(g.lim)}, {'a:noload', real(g.noload)},
+      {'a:start', g.start and int(g.start) or ''}, {'a:n', int(g.n)}, {'a:sum', real(g.sum)},
+      {'a:peak', int(g.peak)}, {'a:over', g.over and '1' or '0'}}) do
+    table.insert(fields, field[1])
+    table.insert(fields, field[2])
+  end
+end
