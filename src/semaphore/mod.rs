@@ -130,7 +130,9 @@ impl Semaphore {
         &self.inner.settings.name
     }
 
-    /// How many permits may be out at once.
+    /// The limit this process was built with (an adaptive limit's initial one). The limit in
+    /// force for every process, which `set_limit` or adapting may have moved, is
+    /// [`snapshot`](Self::snapshot)`().limit`.
     pub fn limit(&self) -> u32 {
         self.inner.settings.limit
     }

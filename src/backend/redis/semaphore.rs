@@ -96,10 +96,10 @@ struct RedisSemaphore {
 #[derive(Default)]
 struct Outbox {
     releases: Vec<Arc<str>>,
-    /// Releases sent by a call other than an acquire and not answered yet. Every acquire call
-    /// sent meanwhile carries them again (releasing twice is harmless): the calls may reach the
-    /// server in either order (a cluster client does not keep the order of calls in flight),
-    /// and a slot this process gave back must be free for its own later acquires.
+    /// On a cluster, releases sent by a call other than an acquire and not answered yet. Every
+    /// acquire call sent meanwhile carries them again (releasing twice is harmless): the
+    /// cluster client does not keep the order of calls in flight, and a slot this process gave
+    /// back must be free for its own later acquires. (One connection keeps the order.)
     unanswered: Vec<Arc<str>>,
     /// A flush task is spawned and has not started yet: later releases wait for it.
     flush_pending: bool,
@@ -246,8 +246,10 @@ impl RedisSemaphore {
     }
 
     /// The releases a call of `op` carries: those waiting to be sent (the call owns them), and
-    /// for an acquire also those sent by other calls and not answered yet (echoed).
+    /// on a cluster, for an acquire, also those sent by other calls and not answered yet
+    /// (echoed).
     fn releases_for(&self, op: &str) -> (Carried<'_>, Vec<Arc<str>>) {
+        let echo = self.shared.cluster;
         // While an acquire call is in flight, only the acquire calls carry releases: a release
         // must never reach the server before its member's acquire, and the acquire calls go
         // one after another (a member still queued is taken out of the queue instead of
@@ -255,11 +257,17 @@ impl RedisSemaphore {
         let mut outbox = self.outbox();
         let acquire = op == "acquire";
         let (members, echoed) = if acquire {
-            let echoed = outbox.unanswered.clone();
+            let echoed = if echo {
+                outbox.unanswered.clone()
+            } else {
+                Vec::new()
+            };
             (std::mem::take(&mut outbox.releases), echoed)
         } else if !outbox.sending {
             let members = std::mem::take(&mut outbox.releases);
-            outbox.unanswered.extend(members.iter().cloned());
+            if echo {
+                outbox.unanswered.extend(members.iter().cloned());
+            }
             (members, Vec::new())
         } else {
             (Vec::new(), Vec::new())
@@ -267,7 +275,7 @@ impl RedisSemaphore {
         let carried = Carried {
             semaphore: self,
             members,
-            unanswered: !acquire,
+            unanswered: echo && !acquire,
             settled: false,
         };
         (carried, echoed)
@@ -1085,8 +1093,11 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_acquire_sent_while_a_release_is_unanswered_carries_it_too() {
-        let semaphore = unreachable();
+    async fn on_a_cluster_an_acquire_sent_while_a_release_is_unanswered_carries_it_too() {
+        let backend = RedisBackend::cluster_builder(&["redis://127.0.0.1:1"])
+            .connect_lazy()
+            .unwrap();
+        let semaphore = RedisSemaphore::new(&backend, "outbox", 5, None, Duration::from_secs(1));
         let member = Member::new(1, LEASE);
         semaphore.release_later(member.clone(), false);
         // A flush (or a read) takes the release and sends it; until it is answered, every
@@ -1112,6 +1123,15 @@ mod tests {
         let outbox = semaphore.outbox();
         assert!(outbox.unanswered.is_empty());
         assert_eq!(outbox.releases, [other.text]);
+    }
+
+    #[tokio::test]
+    async fn one_connection_keeps_the_order_so_nothing_is_echoed() {
+        let semaphore = unreachable();
+        semaphore.release_later(Member::new(1, LEASE), false);
+        let (_flush, _) = semaphore.releases_for("release");
+        let (_, echoed) = semaphore.releases_for("acquire");
+        assert!(echoed.is_empty());
     }
 
     #[test]
