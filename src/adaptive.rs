@@ -10,6 +10,7 @@
 //! no_load   = min(latency, no_load + (latency - no_load) * DRIFT)   // may drift up, slowly
 //! gradient  = clamp(TOLERANCE * no_load / latency, 0.5, 1)
 //! target    = limit * gradient + sqrt(limit) / 3                     // probe headroom
+//!             (a whole sqrt(limit) while gradient = 1: nothing queues downstream)
 //!           | limit * BACKOFF                      if a hold was marked overloaded
 //!           | min(target, limit)                   if in flight stayed under half the limit
 //! limit     = clamp(limit * (1 - SMOOTHING) + target * SMOOTHING, min, max)
@@ -195,7 +196,14 @@ impl Gradient {
             limit * BACKOFF
         } else {
             let gradient = (TOLERANCE * no_load / latency).clamp(0.5, 1.0);
-            let target = limit * gradient + limit.sqrt() / 3.0;
+            // No queueing seen: probe with a whole √limit (fast growth after the downstream
+            // got room); queueing: a third of it (where the limit settles above capacity).
+            let headroom = if gradient < 1.0 {
+                limit.sqrt() / 3.0
+            } else {
+                limit.sqrt()
+            };
+            let target = limit * gradient + headroom;
             if f64::from(window.peak) < limit / 2.0 {
                 target.min(limit)
             } else {

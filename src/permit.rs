@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::backend::{Member, Store};
+use crate::backend::{Ending, Member, Store};
 use crate::keeper::Keeper;
 use crate::lease::Lease;
 use crate::telemetry::{Op, Telemetry};
@@ -131,7 +131,7 @@ impl Claim {
         if self.armed {
             self.origin
                 .store
-                .release(&self.member, self.overloaded.load(Ordering::Relaxed))
+                .release(&self.member, self.ending())
                 .await
                 .inspect_err(|_| self.origin.telemetry.backend_error(Op::Release))?;
             self.armed = false;
@@ -139,6 +139,14 @@ impl Claim {
             self.released();
         }
         Ok(())
+    }
+
+    /// How the hold ends now: an adaptive limit's sample.
+    fn ending(&self) -> Ending {
+        Ending {
+            held: self.granted.map(|granted| granted.elapsed()),
+            overloaded: self.overloaded.load(Ordering::Relaxed),
+        }
     }
 
     /// Counts the end of a live permit's hold.
@@ -154,10 +162,8 @@ impl Drop for Claim {
     fn drop(&mut self) {
         if self.armed {
             self.origin.keeper.forget(&self.member);
-            let overloaded = self.overloaded.load(Ordering::Relaxed);
-            self.origin
-                .store
-                .release_later(self.member.clone(), overloaded);
+            let ending = self.ending();
+            self.origin.store.release_later(self.member.clone(), ending);
             self.released();
         }
     }

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::gcra::{
     Cells, Gcra, OpenedRate, RateBackend, RateDecision, RateStore, Rated, sealed::OpenRate,
 };
-use super::store::{Attempt, Member, Mode, Opened, Store, sealed::Open};
+use super::store::{Attempt, Ending, Member, Mode, Opened, Store, sealed::Open};
 use crate::adaptive::Gradient;
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
@@ -346,21 +346,26 @@ impl Store for MemorySemaphore {
     fn release<'a>(
         &'a self,
         member: &'a Member,
-        overloaded: bool,
+        ending: Ending,
     ) -> BoxFuture<'a, Result<(), Error>> {
-        self.release_later(member.clone(), overloaded);
+        self.release_later(member.clone(), ending);
         Box::pin(async { Ok(()) })
     }
 
-    fn release_later(&self, member: Member, overloaded: bool) {
+    // In process there is no hand-off: the store's own grant time is the sample's start.
+    fn release_later(&self, member: Member, ending: Ending) {
         let epoch = self.shared.epoch;
         self.with(|permits, now, _| {
             if let Some(holding) = permits.holders.remove(&member.text) {
                 if let Some(gradient) = permits.gradient.as_mut().filter(|_| !permits.pinned) {
                     let held = now.saturating_duration_since(holding.granted);
                     let now_ms = now.saturating_duration_since(epoch).as_millis() as u64;
-                    permits.limit =
-                        gradient.sample(now_ms, held.as_secs_f64() * 1e3, permits.used, overloaded);
+                    permits.limit = gradient.sample(
+                        now_ms,
+                        held.as_secs_f64() * 1e3,
+                        permits.used,
+                        ending.overloaded,
+                    );
                 }
                 permits.used -= holding.weight;
             } else if let Some(arrival) = permits.queued.remove(&member.text) {

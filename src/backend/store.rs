@@ -109,6 +109,15 @@ impl Hash for Member {
     }
 }
 
+/// How a hold ended, for an adaptive limit: how long this process held the permit (from the
+/// moment it learnt of the grant to the release: no hand-off delay of the backend's in it),
+/// and whether its request was overloaded downstream.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Ending {
+    pub(crate) held: Option<Duration>,
+    pub(crate) overloaded: bool,
+}
+
 /// How an acquire call may treat its member.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
@@ -167,17 +176,16 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
     }
 
     /// Removes the holder or waiter (absent is not an error) and admits whoever now fits. A
-    /// holder's hold is an adaptive limit's sample; `overloaded` marks its request as dropped
-    /// or timed out downstream.
+    /// holder's hold is an adaptive limit's sample, as `ending` tells it.
     fn release<'a>(
         &'a self,
         member: &'a Member,
-        overloaded: bool,
+        ending: Ending,
     ) -> BoxFuture<'a, Result<(), Error>>;
 
     /// Releases `member` off the caller's path: at once in-process, or with this semaphore's
     /// next call to the backend (a flush task makes sure there is one soon).
-    fn release_later(&self, member: Member, overloaded: bool);
+    fn release_later(&self, member: Member, ending: Ending);
 
     /// Extends the leases of `members` that still hold to a full lease; for each, the time left
     /// (from the backend's clock read at or after the call was sent), or `None` for those that

@@ -13,7 +13,7 @@ use super::grant::Try;
 use super::semaphore::{QuorumSemaphore, integer};
 use crate::Error;
 use crate::backend::gcra::Rated;
-use crate::backend::store::{Attempt, Member, Mode, Store};
+use crate::backend::store::{Attempt, Ending, Member, Mode, Store};
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Refresh, Status};
@@ -56,7 +56,7 @@ impl Store for QuorumSemaphore {
     fn release<'a>(
         &'a self,
         member: &'a Member,
-        _overloaded: bool,
+        _ending: Ending,
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
             self.give_back(member).await;
@@ -64,7 +64,7 @@ impl Store for QuorumSemaphore {
         })
     }
 
-    fn release_later(&self, member: Member, _overloaded: bool) {
+    fn release_later(&self, member: Member, _ending: Ending) {
         let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
         else {
             tracing::warn!(

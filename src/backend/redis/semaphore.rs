@@ -15,7 +15,11 @@ use super::keys::{hash_tag, slot_tag};
 use super::script::{Lua, invoke};
 use super::{Connection, RedisBackend};
 use crate::backend::gcra::{RateKey, Rated};
-use crate::backend::store::{Attempt, Member, Mode, Opened, Store, process_tag, sealed::Open};
+use std::fmt::Write;
+
+use crate::backend::store::{
+    Attempt, Ending, Member, Mode, Opened, Store, process_tag, sealed::Open,
+};
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, PATIENCE, Refresh, Status};
@@ -305,6 +309,27 @@ impl RedisSemaphore {
             );
             self.shared.reconnects.send_modify(|n| *n += 1);
         }
+    }
+
+    /// How a release names its member for the script (`lua/semaphore/adapt.lua`): a process
+    /// built adaptive puts `@<µs held>:` before it (its own measure of the hold, free of the
+    /// hand-off delays of grant announcements and carried releases), and `!` before that
+    /// marks an overloaded hold.
+    fn released(&self, member: &Arc<str>, ending: Ending) -> Arc<str> {
+        let held = ending.held.filter(|_| self.adaptive);
+        if held.is_none() && !ending.overloaded {
+            return member.clone();
+        }
+        let mut text = String::with_capacity(member.len() + 16);
+        if ending.overloaded {
+            text.push('!');
+        }
+        if let Some(held) = held {
+            // Writing to a String cannot fail.
+            let _ = write!(text, "@{}:", held.as_micros());
+        }
+        text.push_str(member);
+        text.into()
     }
 
     /// Logs once when the limit in force is not the one this process was built with.
@@ -640,16 +665,6 @@ impl Drop for Carried<'_> {
     }
 }
 
-/// How a release names its member: `!` before it marks an overloaded hold, an adaptive
-/// limit's congestion signal (see `lua/semaphore/adapt.lua`).
-fn released(member: &Arc<str>, overloaded: bool) -> Arc<str> {
-    if overloaded {
-        format!("!{member}").into()
-    } else {
-        member.clone()
-    }
-}
-
 /// The word the script takes for each mode.
 fn mode_word(mode: Mode) -> &'static str {
     match mode {
@@ -683,10 +698,10 @@ impl Store for RedisSemaphore {
     fn release<'a>(
         &'a self,
         member: &'a Member,
-        overloaded: bool,
+        ending: Ending,
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
-            let text = released(&member.text, overloaded);
+            let text = self.released(&member.text, ending);
             match self
                 .run("release", None, Some(&text), None, |_, _| {})
                 .await?
@@ -697,7 +712,7 @@ impl Store for RedisSemaphore {
         })
     }
 
-    fn release_later(&self, member: Member, overloaded: bool) {
+    fn release_later(&self, member: Member, ending: Ending) {
         let mut outbox = self.outbox();
         // Still queued behind the call in flight: never sent, so it is only taken out of the
         // queue. Released instead, the release could reach the server first (carried by
@@ -707,7 +722,7 @@ impl Store for RedisSemaphore {
         if outbox.acquires.len() < queued {
             return;
         }
-        outbox.releases.push(released(&member.text, overloaded));
+        outbox.releases.push(self.released(&member.text, ending));
         // An acquire call in flight passes the releases on when it is answered.
         if !outbox.sending {
             drop(outbox);
@@ -1030,7 +1045,7 @@ mod tests {
         assert!(waiter.await.unwrap_err().is_cancelled());
         // The caller's claim gives the member back: it was never sent, so no release is kept
         // for a call that could reach the server before the acquire would.
-        semaphore.release_later(member, false);
+        semaphore.release_later(member, Ending::default());
         let outbox = semaphore.outbox();
         assert!(outbox.acquires.is_empty() && outbox.releases.is_empty());
     }
@@ -1040,7 +1055,7 @@ mod tests {
         let semaphore = unreachable();
         semaphore.outbox().sending = true;
         let member = Member::new(1, LEASE);
-        semaphore.release_later(member.clone(), false);
+        semaphore.release_later(member.clone(), Ending::default());
         // A read while the acquire call is in flight carries nothing (and fails: Redis is
         // down); the release waits for the acquire chain.
         assert!(
@@ -1057,7 +1072,7 @@ mod tests {
         let semaphore = unreachable();
         semaphore.outbox().sending = true;
         let member = Member::new(1, LEASE);
-        semaphore.release_later(member.clone(), false);
+        semaphore.release_later(member.clone(), Ending::default());
         {
             let outbox = semaphore.outbox();
             assert_eq!(outbox.releases, [member.text]);
@@ -1099,7 +1114,7 @@ mod tests {
             .unwrap();
         let semaphore = RedisSemaphore::new(&backend, "outbox", 5, None, Duration::from_secs(1));
         let member = Member::new(1, LEASE);
-        semaphore.release_later(member.clone(), false);
+        semaphore.release_later(member.clone(), Ending::default());
         // A flush (or a read) takes the release and sends it; until it is answered, every
         // acquire call also carries it, whichever of the two the server sees first.
         let (mut flush, echoed) = semaphore.releases_for("release");
@@ -1125,10 +1140,36 @@ mod tests {
         assert_eq!(outbox.releases, [other.text]);
     }
 
+    #[test]
+    fn an_adaptive_release_carries_its_hold_and_its_congestion_signal() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _entered = runtime.enter();
+        let backend = RedisBackend::builder("redis://127.0.0.1:1")
+            .connect_lazy()
+            .unwrap();
+        let bounds = Some(AdaptiveLimit::new());
+        let adaptive = RedisSemaphore::new(&backend, "a", 20, bounds, Duration::from_secs(1));
+        let fixed = unreachable();
+        let member: Arc<str> = "m".into();
+        let ending = |held_ms, overloaded| Ending {
+            held: Some(Duration::from_micros(held_ms)),
+            overloaded,
+        };
+        assert_eq!(&*adaptive.released(&member, ending(1500, false)), "@1500:m");
+        assert_eq!(&*adaptive.released(&member, ending(7, true)), "!@7:m");
+        assert_eq!(&*adaptive.released(&member, Ending::default()), "m");
+        // A fixed limit's process sends no hold time (the script times it, if the limit adapts).
+        assert_eq!(&*fixed.released(&member, ending(1500, false)), "m");
+        assert_eq!(&*fixed.released(&member, ending(1500, true)), "!m");
+    }
+
     #[tokio::test]
     async fn one_connection_keeps_the_order_so_nothing_is_echoed() {
         let semaphore = unreachable();
-        semaphore.release_later(Member::new(1, LEASE), false);
+        semaphore.release_later(Member::new(1, LEASE), Ending::default());
         let (_flush, _) = semaphore.releases_for("release");
         let (_, echoed) = semaphore.releases_for("acquire");
         assert!(echoed.is_empty());
@@ -1143,14 +1184,14 @@ mod tests {
         let semaphore = runtime.block_on(async { unreachable() });
         let (a, b) = (Member::new(1, LEASE), Member::new(2, LEASE));
         // Outside a runtime, no task can be spawned: the release waits for the next call.
-        semaphore.release_later(a.clone(), false);
+        semaphore.release_later(a.clone(), Ending::default());
         {
             let outbox = semaphore.outbox();
             assert_eq!(outbox.releases, [a.text]);
             assert!(!outbox.flush_pending);
         }
         runtime.block_on(async {
-            semaphore.release_later(b, false);
+            semaphore.release_later(b, Ending::default());
             assert!(semaphore.outbox().flush_pending);
             settle(|| semaphore.outbox().releases.is_empty()).await;
         });

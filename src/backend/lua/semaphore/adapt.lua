@@ -42,7 +42,11 @@ local function sample(held_ms, in_flight, overloaded)
     target = g.lim * BACKOFF
   else
     local slope = math.min(math.max(TOLERANCE * g.noload / latency, 0.5), 1)
-    target = g.lim * slope + math.sqrt(g.lim) / 3
+    local headroom = math.sqrt(g.lim)
+    if slope < 1 then
+      headroom = headroom / 3
+    end
+    target = g.lim * slope + headroom
     if g.peak < g.lim / 2 then
       target = math.min(target, g.lim)
     end

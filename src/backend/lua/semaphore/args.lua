@@ -34,8 +34,9 @@
 -- SPUBLISH on a cluster), the caller's limit (`<n>`, or `<initial>/<min>/<max>` adaptive),
 -- patience ms, claim ms, promotion fence ms (0: none), the caller's process tag, k, then k
 -- members to release
--- (holders or waiters; absent ones are ignored; `!` before one marks its hold overloaded, a
--- congestion signal for an adaptive limit), then the operation's arguments:
+-- (holders or waiters; absent ones are ignored; for an adaptive limit, `!` before one marks
+-- its hold overloaded, then `@<µs>:` says how long its process held it), then the operation's
+-- arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
 --       -> per member, in order: {1, token, left µs, now µs, limit} granted
 --          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
@@ -91,12 +92,18 @@ local function parse(member)
   return tonumber(weight) or 0, tonumber(lease) or 0
 end
 
--- A member to release, and whether its hold was marked overloaded (`!` before it).
+-- A member to release, whether its hold was marked overloaded (`!` before it), and how long
+-- its process held it (ms, from `@<µs>:` before it; nil when not told).
 local function released_member(text)
-  if string.byte(text, 1) == 33 then
-    return string.sub(text, 2), true
+  local overloaded = string.byte(text, 1) == 33
+  if overloaded then
+    text = string.sub(text, 2)
   end
-  return text, false
+  local held, member = string.match(text, '^@(%d+):(.*)$')
+  if held then
+    return member, overloaded, tonumber(held) / 1000
+  end
+  return text, overloaded, nil
 end
 
 local function left(deadline)

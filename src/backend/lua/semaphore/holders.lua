@@ -46,12 +46,17 @@ end
 
 local removed = 0
 for i = 10, args - 1 do
-  local member, overloaded = released_member(ARGV[i])
+  local member, overloaded, held = released_member(ARGV[i])
   if redis.call('ZREM', holders, member) == 1 then
     if adaptive and not pinned then
-      local granted = tonumber(redis.call('HGET', since, member))
-      if granted then
-        sample(now - granted, used, overloaded)
+      -- The process's own measure, else the time since the grant here (a process built with
+      -- a fixed limit does not send one).
+      if not held then
+        local granted = tonumber(redis.call('HGET', since, member))
+        held = granted and now - granted
+      end
+      if held then
+        sample(held, used, overloaded)
       end
     end
     redis.call('HDEL', since, member)
