@@ -91,6 +91,14 @@ async fn limit_reaches(sem: &Semaphore, what: &str, ok: impl Fn(u32) -> bool + C
     .await;
 }
 
+/// Checks `checks` times, 100 ms apart, that the limit in force is `limit`.
+async fn stays_at(sem: &Semaphore, limit: u32, checks: u32) {
+    for _ in 0..checks {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(limit_in_force(sem).await, limit);
+    }
+}
+
 /// Four processes (four connections) on one adaptive semaphore: one limit, the same in every
 /// snapshot, that settles near the downstream's capacity, comes down when the downstream
 /// slows and goes up when it speeds up again.
@@ -136,10 +144,7 @@ async fn overloaded_holds_bring_the_limit_down_to_its_floor(backend: impl Backen
     let overloaded = Arc::new(AtomicBool::new(true));
     let running = load(std::slice::from_ref(&sem), 16, &downstream, &overloaded);
     limit_reaches(&sem, "the limit to fall to its floor of 5", |l| l == 5).await;
-    for _ in 0..10 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(limit_in_force(&sem).await, 5);
-    }
+    stays_at(&sem, 5, 10).await;
     drop(running);
 }
 
@@ -174,10 +179,7 @@ async fn set_limit_pins_an_adaptive_limit(backend: impl Backend) {
     let downstream = Downstream::new(1000);
     let calm = Arc::new(AtomicBool::new(false));
     let running = load(std::slice::from_ref(&sem), 16, &downstream, &calm);
-    for _ in 0..15 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(limit_in_force(&sem).await, 3);
-    }
+    stays_at(&sem, 3, 15).await;
     drop(running);
 }
 
@@ -197,10 +199,7 @@ async fn the_first_process_decides_whether_it_adapts(backend: impl Backend + Clo
     let downstream = Downstream::new(1000);
     let calm = Arc::new(AtomicBool::new(false));
     let running = load(std::slice::from_ref(&late), 16, &downstream, &calm);
-    for _ in 0..10 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(limit_in_force(&late).await, 5);
-    }
+    stays_at(&late, 5, 10).await;
     drop(running);
     drop(held);
 
@@ -266,10 +265,7 @@ async fn a_holder_that_expired_is_no_sample() {
         },
     )
     .await;
-    for _ in 0..10 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(limit_in_force(&sem).await, 20);
-    }
+    stays_at(&sem, 20, 10).await;
     drop(running);
 }
 
