@@ -87,6 +87,9 @@ impl Keeper {
                 keeper: Arc::downgrade(self),
                 id,
             };
+            // Not under the lock: a runtime shutting down drops the task at once, and its
+            // drop takes the lock.
+            drop(leases);
             runtime.spawn(running.run(self.wake.clone(), self.store.reconnects()));
         }
     }

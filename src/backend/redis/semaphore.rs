@@ -478,6 +478,9 @@ impl RedisSemaphore {
         };
         match next {
             Some((me, runtime)) => {
+                // Not under the lock: a runtime shutting down drops the task at once, and its
+                // drop (`Sending`) takes the lock.
+                drop(outbox);
                 runtime.spawn(Self::send_queued(Sending::new(me)));
             }
             None => {
