@@ -39,7 +39,27 @@ impl Sentinels {
                 let (host, port) = server.host_and_port().expect("TCP sentinels");
                 format!("redis://{host}:{port}")
             })
-            .collect();
+            .collect::<Vec<String>>();
+        // Every sentinel answering: the backend names a master only on a majority's word.
+        for url in &urls {
+            eventually(
+                Duration::from_secs(20),
+                "every sentinel to answer",
+                || async {
+                    let Ok(client) = redis::Client::open(url.as_str()) else {
+                        return false;
+                    };
+                    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+                        return false;
+                    };
+                    redis::cmd("PING")
+                        .query_async::<String>(&mut conn)
+                        .await
+                        .is_ok()
+                },
+            )
+            .await;
+        }
         Sentinels { cluster, urls }
     }
 
