@@ -2,6 +2,7 @@
 //! tokens, and one first-come-first-served line.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -239,6 +240,7 @@ impl Open for MemoryBackend {
                 name: name.into(),
                 limit,
                 adaptive,
+                in_force: AtomicU32::new(limit),
                 waitlist: waitlist.clone(),
             }),
             waitlist,
@@ -251,6 +253,9 @@ struct MemorySemaphore {
     name: Arc<str>,
     limit: u32,
     adaptive: Option<AdaptiveLimit>,
+    /// The limit in force after this semaphore's last call (for `limit_in_force`, without
+    /// taking the backend's lock).
+    in_force: AtomicU32,
     waitlist: Arc<Waitlist>,
 }
 
@@ -280,6 +285,7 @@ impl MemorySemaphore {
             permits.settle(now, fence, &mut grants);
             let result = op(permits, now, fence);
             permits.settle(now, fence, &mut grants);
+            self.in_force.store(permits.limit, Ordering::Relaxed);
             if permits.forgettable(now) {
                 semaphores.remove(&self.name);
             }
@@ -439,13 +445,7 @@ impl Store for MemorySemaphore {
     }
 
     fn limit_in_force(&self) -> Option<u32> {
-        let state = self.state();
-        Some(
-            state
-                .semaphores
-                .get(&self.name)
-                .map_or(self.limit, |permits| permits.limit),
-        )
+        Some(self.in_force.load(Ordering::Relaxed))
     }
 
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {

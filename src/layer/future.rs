@@ -228,7 +228,7 @@ where
             Ok((response, _pass)) => Ok(response),
             Err(Failure::Inner(e, pass)) => {
                 let e = e.into();
-                if (this.overloaded.0)(&e) {
+                if (this.overloaded)(&e) {
                     pass.overloaded();
                 }
                 Err(e)

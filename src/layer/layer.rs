@@ -9,7 +9,7 @@ use tower::{BoxError, Layer};
 
 use super::admit::{InPollReady, Weighable, Weighted};
 use super::flavour::{Http, Plain};
-use super::limiter::{ANY_ERROR, Limiter, Overloaded};
+use super::limiter::{ANY_ERROR, Limiter};
 use super::partitions::Partitions;
 use super::service::DistributedConcurrencyLimit;
 use super::spares::Spares;
@@ -169,7 +169,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Plain, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn overloaded_when(mut self, overloaded: fn(&BoxError) -> bool) -> Self {
-        self.limiter.overloaded = Overloaded(overloaded);
+        self.limiter.overloaded = overloaded;
         self
     }
 }

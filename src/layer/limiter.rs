@@ -30,23 +30,14 @@ pub(crate) struct Limiter<A> {
     pub(crate) overloaded: Overloaded,
 }
 
-/// Which inner errors are congestion signals. A named type, not the bare `fn(&BoxError)`: a
-/// higher-ranked type inside a response future trips the compiler's `Send` checks of the
-/// callers' async blocks ("implementation of `From` is not general enough").
-#[derive(Clone, Copy)]
-pub(crate) struct Overloaded(pub(crate) fn(&BoxError) -> bool);
-
-impl std::fmt::Debug for Overloaded {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Overloaded(..)")
-    }
-}
+/// Which inner errors are congestion signals.
+pub(crate) type Overloaded = fn(&BoxError) -> bool;
 
 /// The generic flavour's default: every inner error is a congestion signal.
-pub(crate) const ANY_ERROR: Overloaded = Overloaded(|_| true);
+pub(crate) const ANY_ERROR: Overloaded = |_| true;
 
 /// For a pass that has nothing to signal (a rate decision is spent either way).
-pub(crate) const NO_SIGNAL: Overloaded = Overloaded(|_| false);
+pub(crate) const NO_SIGNAL: Overloaded = |_| false;
 
 type Pending = Pin<Box<dyn Future<Output = Result<Permit, Error>> + Send>>;
 
