@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::Error;
+use crate::backend::RateDecision;
 use crate::backend::{Ending, Member, Store};
 use crate::keeper::Keeper;
 use crate::lease::Lease;
@@ -70,8 +71,9 @@ pub(crate) struct Claim {
     armed: bool,
     /// When it became a live permit, for `dlimit_permit_hold_seconds`.
     granted: Option<Instant>,
-    /// Its grant also spent a rate limit's allowance, in the same backend call.
-    rated: bool,
+    /// Its grant also spent a rate limit's allowance, in the same backend call, or the layer
+    /// checked the rate once it was held: what the rate limit decided.
+    rate: Option<RateDecision>,
     /// Its request was dropped or timed out downstream (`Permit::overloaded`): an adaptive
     /// limit's congestion signal, sent with the release.
     overloaded: AtomicBool,
@@ -85,7 +87,7 @@ impl Claim {
             member: Member::new(weight, lease),
             armed: true,
             granted: None,
-            rated: false,
+            rate: None,
             overloaded: AtomicBool::new(false),
         }
     }
@@ -101,10 +103,15 @@ impl Claim {
 
     /// The backend granted the member with `token` until `deadline` (by this process's clock,
     /// never later than the backend's). A lease that already ended makes a permit that is lost
-    /// at once; the keeper renews the others. `rated`: the grant also spent a rate limit's
-    /// allowance.
-    pub(crate) fn into_permit(mut self, token: u64, deadline: Instant, rated: bool) -> Permit {
-        self.rated = rated;
+    /// at once; the keeper renews the others. `rate`: the grant also spent a rate limit's
+    /// allowance, with what that left.
+    pub(crate) fn into_permit(
+        mut self,
+        token: u64,
+        deadline: Instant,
+        rate: Option<RateDecision>,
+    ) -> Permit {
+        self.rate = rate;
         let now = Instant::now();
         // Never believed past the configured lease from now, whatever the server said: a
         // server whose clock stepped back reports deadlines a step too far ahead.
@@ -182,9 +189,16 @@ impl std::fmt::Debug for Permit {
 }
 
 impl Permit {
-    /// Its grant also spent a rate limit's allowance, in the same backend call.
-    pub(crate) fn rate_spent(&self) -> bool {
-        self.claim.rated
+    /// What the rate limit decided with its grant (in the same backend call), or once it was
+    /// held (the layer's `rate_limit`, [`with_rate`](Self::with_rate)); `None`: not spent.
+    pub(crate) fn rate(&self) -> Option<&RateDecision> {
+        self.claim.rate.as_ref()
+    }
+
+    /// Records the rate decision the layer took once this permit was held.
+    pub(crate) fn with_rate(mut self, decision: RateDecision) -> Permit {
+        self.claim.rate = Some(decision);
+        self
     }
 
     /// Unique per acquisition (a random 128-bit id, hex), never reused.

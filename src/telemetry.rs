@@ -15,10 +15,15 @@
 //! | `dlimit_backend_errors_total` | counter | `op` = the backend operation |
 //! | `dlimit_backend_up` | gauge | label `backend` (the server's address), not `semaphore`: 1 while this process's backend to it is up, 0 while down (summed over the process's backends to that server) |
 //! | `dlimit_backend_fast_failures_total` | counter | label `backend`: calls refused at once because their server was down |
+//! | `dlimit_rate_decisions_total` | counter | label `limiter` (its name; never a partition key), `result` = `allowed` \| `limited` \| `degraded` (decided by the outage policy) \| `backend_error` (refused by it) |
+//! | `dlimit_rate_remaining` | gauge | label `limiter`: what its last decision on the limiter itself (not a partition key's) left |
+//! | `dlimit_rate_retry_after_seconds` | histogram | label `limiter`: the wait each refusal asked for |
 //!
 //! Without the feature, or without a recorder installed, each report costs next to nothing.
 
 use std::time::Duration;
+
+use crate::backend::RateDecision;
 
 /// The reports of one semaphore (cheap to clone). Its metric handles are registered once,
 /// with the recorder installed when the semaphore is built: install a recorder before building
@@ -47,6 +52,75 @@ struct Handles {
 /// The backend operations `dlimit_backend_errors_total` tells apart.
 #[cfg(feature = "metrics")]
 const OPS: [&str; 4] = ["acquire", "release", "renew", "used"];
+
+/// The reports of one rate limiter (cheap to clone), registered like a semaphore's.
+#[derive(Clone, Debug)]
+pub(crate) struct RateTelemetry {
+    #[cfg(feature = "metrics")]
+    handles: std::sync::Arc<RateHandles>,
+}
+
+#[cfg(feature = "metrics")]
+#[derive(Debug)]
+struct RateHandles {
+    /// `dlimit_rate_decisions_total`, one per result, in `RATE_RESULTS` order.
+    decisions: [metrics::Counter; 4],
+    remaining: metrics::Gauge,
+    retry_after: metrics::Histogram,
+}
+
+#[cfg(feature = "metrics")]
+const RATE_RESULTS: [&str; 4] = ["allowed", "limited", "degraded", "backend_error"];
+
+impl RateTelemetry {
+    /// Reports for the rate limiter called `name`.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(name: &str) -> Self {
+        #[cfg(feature = "metrics")]
+        {
+            describe();
+            let limiter = metrics::SharedString::from(name.to_owned());
+            let label = || limiter.clone();
+            RateTelemetry {
+                handles: std::sync::Arc::new(RateHandles {
+                    decisions: RATE_RESULTS.map(|result| {
+                        metrics::counter!("dlimit_rate_decisions_total", "limiter" => label(), "result" => result)
+                    }),
+                    remaining: metrics::gauge!("dlimit_rate_remaining", "limiter" => label()),
+                    retry_after: metrics::histogram!("dlimit_rate_retry_after_seconds", "limiter" => label()),
+                }),
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        RateTelemetry {}
+    }
+
+    /// A decision: on the limiter itself (`keyed` false) it also sets the remaining gauge.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn decided(&self, decision: &RateDecision, keyed: bool) {
+        #[cfg(feature = "metrics")]
+        {
+            let result = match (decision.degraded, decision.allowed) {
+                (true, _) => 2,
+                (false, true) => 0,
+                (false, false) => 1,
+            };
+            self.handles.decisions[result].increment(1);
+            if let Some(after) = decision.retry_after {
+                self.handles.retry_after.record(after.as_secs_f64());
+            }
+            if !keyed {
+                self.handles.remaining.set(f64::from(decision.remaining));
+            }
+        }
+    }
+
+    /// The backend failed and the outage policy refused.
+    pub(crate) fn backend_error(&self) {
+        #[cfg(feature = "metrics")]
+        self.handles.decisions[3].increment(1);
+    }
+}
 
 /// How an acquisition ended, as `dlimit_acquire_total` counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,6 +286,21 @@ fn describe() {
             "dlimit_backend_errors_total",
             Unit::Count,
             "failed backend calls, by operation"
+        );
+        describe_counter!(
+            "dlimit_rate_decisions_total",
+            Unit::Count,
+            "rate limit decisions by result: allowed, limited, degraded, backend_error"
+        );
+        describe_gauge!(
+            "dlimit_rate_remaining",
+            Unit::Count,
+            "what the rate limiter's last decision left (requests of cost 1)"
+        );
+        describe_histogram!(
+            "dlimit_rate_retry_after_seconds",
+            Unit::Seconds,
+            "the wait each rate limit refusal asked for"
         );
     });
 }

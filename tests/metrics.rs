@@ -10,8 +10,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tower::ServiceExt;
 use tower_distributed_limit::{
-    Error, MemoryBackend, OutagePolicy, Partitions, RedisBackend, Semaphore,
+    DistributedConcurrencyLimitLayer, Error, MemoryBackend, OutagePolicy, Partitions, RateLimiter,
+    RedisBackend, Semaphore,
 };
 
 use support::{Redis, eventually};
@@ -238,4 +240,55 @@ async fn every_metric_is_emitted_with_its_labels() {
         up() == before
     })
     .await;
+
+    // A rate limiter: decisions by result (a partition key's too, under the limiter's name),
+    // what the last decision on the limiter itself left, the waits refusals asked for.
+    let rate = RateLimiter::builder("r")
+        .rate(2, Duration::from_secs(3600))
+        .build(MemoryBackend::new())
+        .unwrap();
+    let decisions = |limiter, result| {
+        metrics.get(
+            "dlimit_rate_decisions_total",
+            &[("limiter", limiter), ("result", result)],
+        )
+    };
+    assert!(rate.check().await.unwrap().allowed);
+    assert_eq!(
+        metrics.get("dlimit_rate_remaining", &[("limiter", "r")]),
+        1.0
+    );
+    assert!(rate.check().await.unwrap().allowed);
+    assert!(!rate.check().await.unwrap().allowed);
+    assert!(rate.check_key("tenant-a", 1).await.unwrap().allowed);
+    assert_eq!(
+        (decisions("r", "allowed"), decisions("r", "limited")),
+        (3.0, 1.0)
+    );
+    assert_eq!(
+        metrics.get("dlimit_rate_retry_after_seconds", &[("limiter", "r")]),
+        1.0
+    );
+    // Decided with the permit, in one call of the semaphore's script: counted too.
+    let combined = Redis::start().await;
+    let backend = combined.backend().await;
+    let sem = Semaphore::builder("c")
+        .limit(5)
+        .build(backend.clone())
+        .unwrap();
+    let rate = RateLimiter::builder("c")
+        .rate(1, Duration::from_secs(3600))
+        .build(backend)
+        .unwrap();
+    let svc = tower::ServiceBuilder::new()
+        .layer(DistributedConcurrencyLimitLayer::new(sem).rate_limit(rate))
+        .service(tower::service_fn(|()| async {
+            Ok::<_, tower::BoxError>(())
+        }));
+    assert!(svc.clone().oneshot(()).await.is_ok());
+    assert!(svc.oneshot(()).await.is_err());
+    assert_eq!(
+        (decisions("c", "allowed"), decisions("c", "limited")),
+        (1.0, 1.0)
+    );
 }

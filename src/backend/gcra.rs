@@ -74,6 +74,19 @@ pub struct RateDecision {
     pub degraded: bool,
 }
 
+impl RateDecision {
+    /// A refusal that asks to wait `retry_after` (and spent nothing).
+    pub(crate) fn refused(retry_after: Duration) -> Self {
+        RateDecision {
+            allowed: false,
+            remaining: 0,
+            retry_after: Some(retry_after),
+            reset_after: retry_after,
+            degraded: false,
+        }
+    }
+}
+
 /// A validated rate: `rate` per `period_us`, at most `burst` at once. Public only in name, so
 /// the sealed trait can take it; nothing outside the crate can reach it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -324,7 +324,11 @@ impl Store for MemorySemaphore {
                 && let Status::Granted { token, remaining } =
                     permits.status(&member.text, now, fence)
             {
-                return Attempt::Granted { token, remaining };
+                return Attempt::Granted {
+                    token,
+                    remaining,
+                    rate: None,
+                };
             }
             if member.weight > permits.limit {
                 return Attempt::TooHeavy {
@@ -338,6 +342,7 @@ impl Store for MemorySemaphore {
                 return Attempt::Granted {
                     token,
                     remaining: member.lease,
+                    rate: None,
                 };
             }
             if mode == Mode::Once {

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::backend::gcra::{RateKey, Rated};
+use crate::backend::gcra::{RateDecision, RateKey, Rated};
 use crate::snapshot::Snapshot;
 use crate::sync::BoxFuture;
 use crate::waitlist::{ClockReading, Refresh, Waitlist};
@@ -158,8 +158,13 @@ pub(crate) enum Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Attempt {
     /// The holder was added with this fencing token; its lease ends `remaining` after the
-    /// backend's clock read at or after the call was sent.
-    Granted { token: u64, remaining: Duration },
+    /// backend's clock read at or after the call was sent. `rate`: the grant also spent the
+    /// rate limit decided with it, in the same call, with what that left.
+    Granted {
+        token: u64,
+        remaining: Duration,
+        rate: Option<RateDecision>,
+    },
     /// The holder waits in the line; its grant will be announced to the waitlist. The
     /// earliest lease ends in `retry_in`; `clock` was read by this very call.
     Queued {

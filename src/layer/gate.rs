@@ -57,11 +57,17 @@ pub struct AcquirePermit {
     acquire: Acquire,
     /// The picked semaphore's limit, for the refusal's `RateLimit-Policy`.
     limit: Option<u32>,
+    /// The rate limit decided with the permit (`rate_limit`), for a rate refusal's headers.
+    rate: Option<RateLimiter>,
 }
 
 impl AcquirePermit {
-    pub(crate) fn new(acquire: Acquire, limit: Option<u32>) -> Self {
-        AcquirePermit { acquire, limit }
+    pub(crate) fn new(acquire: Acquire, limit: Option<u32>, rate: Option<RateLimiter>) -> Self {
+        AcquirePermit {
+            acquire,
+            limit,
+            rate,
+        }
     }
 }
 
@@ -75,12 +81,15 @@ impl Gate for AcquirePermit {
     type Pass = Held;
 
     fn poll_gate(&mut self, cx: &mut Context<'_>) -> Poll<Result<Held, Refused>> {
-        Pin::new(&mut self.acquire)
-            .poll(cx)
-            .map_err(|error| Refused {
-                error,
-                policy: self.limit.map_or(Policy::None, Policy::Concurrency),
-            })
+        Pin::new(&mut self.acquire).poll(cx).map_err(|error| {
+            let policy = match (&error, &self.rate) {
+                (Error::RateLimited { retry_after }, Some(limiter)) => {
+                    Policy::Rate(limiter.clone(), RateDecision::refused(*retry_after))
+                }
+                _ => self.limit.map_or(Policy::None, Policy::Concurrency),
+            };
+            Refused { error, policy }
+        })
     }
 }
 
@@ -99,9 +108,15 @@ impl Pass for Held {
 
     fn respond<B>(
         self,
-        response: Response<B>,
+        mut response: Response<B>,
         settings: &HttpSettings,
     ) -> Response<ResponseBody<B>> {
+        if settings.rate_headers
+            && settings.answer == Answer::Http
+            && let Some((limiter, decision)) = self.rate()
+        {
+            insert_rate(response.headers_mut(), limiter, decision);
+        }
         let permit = settings.hold_until_body_end.then_some(self);
         response.map(|body| ResponseBody::new(body, permit))
     }

@@ -9,6 +9,7 @@ use tower::BoxError;
 
 use super::admit::Admit;
 use super::spares::{Held, Spares};
+use crate::backend::RateDecision;
 use crate::{Error, Permit, RateLimiter, Semaphore};
 
 /// What every flavour shares: the admission (which semaphore, what weight) and how a request
@@ -39,7 +40,7 @@ pub(crate) const ANY_ERROR: Overloaded = |_| true;
 /// For a pass that has nothing to signal (a rate decision is spent either way).
 pub(crate) const NO_SIGNAL: Overloaded = |_| false;
 
-type Pending = Pin<Box<dyn Future<Output = Result<Permit, Error>> + Send>>;
+type Pending = Pin<Box<dyn Future<Output = Result<Held, Error>> + Send>>;
 
 /// The permit of one request: taken already (reserved in `poll_ready`, or refused before any
 /// wait), or still to take.
@@ -58,9 +59,14 @@ impl Acquire {
     ) -> Self {
         Acquire::Later(Box::pin(async move {
             match rate {
-                None if wait => semaphore.acquire_many(weight).await,
-                None => semaphore.try_acquire_many(weight).await?.ok_or(Error::Full),
-                Some(rate) => with_rate(&semaphore, weight, wait, &rate).await,
+                None if wait => semaphore.acquire_many(weight).await.map(Held::from),
+                None => (semaphore.try_acquire_many(weight).await?)
+                    .map(Held::from)
+                    .ok_or(Error::Full),
+                Some(rate) => {
+                    let permit = with_rate(&semaphore, weight, wait, &rate).await?;
+                    Ok(Held::from(permit).rated_by(rate))
+                }
             }
         }))
     }
@@ -79,13 +85,20 @@ async fn with_rate(
     wait: bool,
     rate: &RateLimiter,
 ) -> Result<Permit, Error> {
-    let permit = semaphore.acquire_rated(weight, wait, rate).await?;
-    if permit.rate_spent() {
+    let permit = match semaphore.acquire_rated(weight, wait, rate).await {
+        Err(Error::RateLimited { retry_after }) => {
+            rate.decided_with_acquire(&RateDecision::refused(retry_after));
+            return Err(Error::RateLimited { retry_after });
+        }
+        other => other?,
+    };
+    if let Some(decision) = permit.rate() {
+        rate.decided_with_acquire(decision);
         return Ok(permit);
     }
     let decision = rate.check_n(weight).await?;
     if decision.allowed {
-        return Ok(permit);
+        return Ok(permit.with_rate(decision));
     }
     drop(permit);
     Err(Error::RateLimited {
@@ -98,7 +111,7 @@ impl Future for Acquire {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut *self {
-            Acquire::Later(pending) => pending.as_mut().poll(cx).map_ok(Held::from),
+            Acquire::Later(pending) => pending.as_mut().poll(cx),
             Acquire::Now(done) => Poll::Ready(done.take().unwrap_or_else(|| {
                 Err(Error::config(
                     "a permit was asked for twice; this is a bug in tower-distributed-limit",

@@ -141,7 +141,7 @@ impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
         Admission: Admit<R>,
     {
         let (acquire, limit) = self.limiter.admit(&request, self.reservation.take());
-        let admitted = AcquirePermit::new(acquire, limit);
+        let admitted = AcquirePermit::new(acquire, limit, self.limiter.rate.clone());
         let fresh = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, fresh);
         Limited::new(admitted, ready, request, self.limiter.abort_on_lost, stamp)

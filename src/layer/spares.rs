@@ -36,8 +36,9 @@ use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
 
+use crate::backend::RateDecision;
 use crate::sync::lock;
-use crate::{Permit, Semaphore};
+use crate::{Permit, RateLimiter, Semaphore};
 
 /// How long after it was taken a permit may serve further requests or wait as a spare.
 const KEEP: Duration = Duration::from_secs(1);
@@ -50,6 +51,8 @@ pub struct Held {
     /// Always `Some` until dropped.
     permit: Option<Permit>,
     home: Option<Home>,
+    /// The rate limit decided with it (the layer's `rate_limit`), for the `RateLimit` headers.
+    rated_by: Option<RateLimiter>,
 }
 
 /// Where a lent permit goes back to, and when it was taken from the backend.
@@ -72,6 +75,7 @@ impl From<Permit> for Held {
         Held {
             permit: Some(permit),
             home: None,
+            rated_by: None,
         }
     }
 }
@@ -83,6 +87,17 @@ impl Held {
             Some(permit) => pool.lend(&mut lock(&pool.state), permit, Instant::now()),
             None => self,
         }
+    }
+
+    /// The permit also spent `limiter`'s rate.
+    pub(crate) fn rated_by(mut self, limiter: RateLimiter) -> Held {
+        self.rated_by = Some(limiter);
+        self
+    }
+
+    /// The rate limit decided with the permit, and what it decided.
+    pub(crate) fn rate(&self) -> Option<(&RateLimiter, &RateDecision)> {
+        Some((self.rated_by.as_ref()?, self.permit.as_ref()?.rate()?))
     }
 
     pub(crate) fn fencing_token(&self) -> u64 {
@@ -185,6 +200,7 @@ impl Pool {
                 pool: Arc::downgrade(self),
                 taken,
             }),
+            rated_by: None,
         }
     }
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::backend::{EXACT, Gcra, RateBackend, RateDecision, RateKey, RateStore};
 use crate::outage::OutagePolicy;
+use crate::telemetry::RateTelemetry;
 use crate::{Error, MemoryBackend};
 
 /// The longest partition key a check accepts, in bytes.
@@ -56,6 +57,7 @@ struct Core {
     /// The in-process limiter that decides while the backend is down (`Local`).
     fallback: Option<RateLimiter>,
     outage_decisions: AtomicU64,
+    telemetry: RateTelemetry,
 }
 
 impl std::fmt::Debug for RateLimiter {
@@ -183,6 +185,7 @@ impl RateLimiterBuilder {
             burst: u64::from(burst),
         };
         let store = backend.open_rate(name, gcra)?.store;
+        let telemetry = RateTelemetry::new(name);
         Ok(RateLimiter {
             inner: Arc::new(Core {
                 name: self.name,
@@ -193,6 +196,7 @@ impl RateLimiterBuilder {
                 store,
                 fallback,
                 outage_decisions: AtomicU64::new(0),
+                telemetry,
             }),
         })
     }
@@ -304,10 +308,21 @@ impl RateLimiter {
                 core.name, core.burst
             )));
         }
-        match core.store.check(key, n).await {
+        let decision = match core.store.check(key, n).await {
             Err(error @ Error::Backend(_)) => self.on_outage(error, key, n).await,
             other => other,
+        };
+        match &decision {
+            Ok(decision) => core.telemetry.decided(decision, key.is_some()),
+            Err(Error::Backend(_)) => core.telemetry.backend_error(),
+            Err(_) => {}
         }
+        decision
+    }
+
+    /// Reports a decision a semaphore's backend took with an acquire, in the same call.
+    pub(crate) fn decided_with_acquire(&self, decision: &RateDecision) {
+        self.inner.telemetry.decided(decision, false);
     }
 
     async fn on_outage(

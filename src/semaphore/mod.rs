@@ -323,11 +323,11 @@ impl Semaphore {
             .acquire(claim.member(), Mode::Once, None, rate)
             .await?;
         match attempt {
-            Attempt::Granted { token, remaining } => Ok(Some(claim.into_permit(
+            Attempt::Granted {
                 token,
-                sent + remaining,
-                rate.is_some(),
-            ))),
+                remaining,
+                rate,
+            } => Ok(Some(claim.into_permit(token, sent + remaining, rate))),
             Attempt::RateLimited { retry_after } => {
                 claim.disarm();
                 Err(Error::RateLimited { retry_after })
@@ -596,9 +596,12 @@ impl Semaphore {
             };
             mode = Mode::Recheck;
             let (retry_in, clock) = match attempt {
-                Attempt::Granted { token, remaining } => {
-                    let permit = claim.into_permit(token, sent + remaining, rated.is_some());
-                    return Ok(Some(permit));
+                Attempt::Granted {
+                    token,
+                    remaining,
+                    rate,
+                } => {
+                    return Ok(Some(claim.into_permit(token, sent + remaining, rate)));
                 }
                 Attempt::RateLimited { retry_after } => {
                     claim.disarm();
@@ -618,7 +621,7 @@ impl Semaphore {
                 .await?
             {
                 Wake::Granted { token, until } => {
-                    return Ok(Some(claim.into_permit(token, until, false)));
+                    return Ok(Some(claim.into_permit(token, until, None)));
                 }
                 Wake::Forgotten => {}
                 Wake::TimedOut => return Ok(None),

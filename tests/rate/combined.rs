@@ -192,6 +192,66 @@ async fn the_combined_check_across_backends_and_its_http_answer() {
     support::wait_until_available(&sem, 1).await;
 }
 
+/// The combined path's answers carry the rate limit's `RateLimit` headers, as the standalone
+/// rate layer's do: what each grant's rate left (decided in the same call as the permit on
+/// one Redis, or checked after it across backends), and a refusal's wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_combined_path_answers_with_ratelimit_headers() {
+    let redis = Redis::start().await;
+    let same = redis.backend().await;
+    for (name, rate_backend) in [("one-call", Some(same.clone())), ("checked-after", None)] {
+        let sem = Semaphore::builder(name)
+            .limit(4)
+            .build(same.clone())
+            .unwrap();
+        let period = Duration::from_secs(3600);
+        let rate = match rate_backend {
+            Some(backend) => limiter(name, 3, period, 3, backend),
+            None => limiter(name, 3, period, 3, MemoryBackend::new()),
+        };
+        let svc = tower::ServiceBuilder::new()
+            .layer(
+                DistributedConcurrencyLimitLayer::new(sem.clone())
+                    .rate_limit(rate)
+                    .http(),
+            )
+            .service(service_fn(|_: http::Request<String>| async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(String::from("ok")))
+            }));
+        for left in [2, 1, 0] {
+            let ok = svc
+                .clone()
+                .oneshot(http::Request::new(String::new()))
+                .await
+                .unwrap();
+            assert_eq!(ok.status(), 200, "{name}");
+            let state = ok.headers()["ratelimit"].to_str().unwrap().to_owned();
+            assert!(
+                state.starts_with(&format!("\"{name}\";r={left};t=")),
+                "{name}: {state}"
+            );
+            assert_eq!(
+                ok.headers()["ratelimit-policy"],
+                &*format!("\"{name}\";q=3;w=3600")
+            );
+        }
+        support::wait_until_available(&sem, 4).await;
+        let limited = svc
+            .clone()
+            .oneshot(http::Request::new(String::new()))
+            .await
+            .unwrap();
+        assert_eq!(limited.status(), 429, "{name}");
+        let state = limited.headers()["ratelimit"].to_str().unwrap().to_owned();
+        let t: u64 = state
+            .strip_prefix(&format!("\"{name}\";r=0;t="))
+            .unwrap_or_else(|| panic!("{name}: {state}"))
+            .parse()
+            .unwrap();
+        assert!(t > 1000, "{name}: {state}");
+    }
+}
+
 /// The combined check while Redis is down: each limit's own outage policy decides. Both open:
 /// the request runs, on the semaphore's in-process fallback. Either closed: it is refused with
 /// `Error::Backend`, and the in-process permit taken meanwhile is given back.

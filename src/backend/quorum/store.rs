@@ -35,7 +35,11 @@ impl Store for QuorumSemaphore {
                 server_us: 0,
             };
             match self.attempt(member).await? {
-                Try::Granted(token, remaining) => Ok(Attempt::Granted { token, remaining }),
+                Try::Granted(token, remaining) => Ok(Attempt::Granted {
+                    token,
+                    remaining,
+                    rate: None,
+                }),
                 // An abstention that ends within the wait is waited for; any other is reported.
                 Try::Blocked { ends_in, error } => match until {
                     Some(until) if mode != Mode::Once && Instant::now() + ends_in < until => {

@@ -17,6 +17,7 @@ use super::{Connection, RedisBackend};
 use crate::backend::gcra::{RateKey, Rated};
 use std::fmt::Write;
 
+use crate::RateDecision;
 use crate::backend::store::{
     Attempt, Ending, Member, Mode, Opened, Store, process_tag, sealed::Open,
 };
@@ -610,8 +611,15 @@ impl RedisSemaphore {
     /// One member's answer to an acquire call sent at `sent`.
     fn attempt(&self, reply: &Value, sent: Instant) -> Result<Attempt, Error> {
         let numbers = integers(reply);
-        if let Some(&[first, .., limit]) = numbers.as_deref()
-            && first != 3
+        // Where each answer carries the limit in force (a heavy one's is no news).
+        let at = |first| match first {
+            1 => Some(4),
+            0 | 2 => Some(3),
+            4 => Some(2),
+            _ => None,
+        };
+        if let Some(numbers) = numbers.as_deref()
+            && let Some(&limit) = numbers.first().and_then(|&first| numbers.get(at(first)?))
         {
             self.note_limit(limit);
         }
@@ -619,11 +627,23 @@ impl RedisSemaphore {
             Some(&[3, limit]) => Ok(Attempt::TooHeavy {
                 limit: u32::try_from(limit).map_err(|_| unexpected(reply))?,
             }),
-            Some(&[1, token, left_us, now_us, _]) => {
+            Some(&[1, token, left_us, now_us, _, ref rate @ ..]) => {
                 self.observe(sent, now_us);
+                let rate = match *rate {
+                    [] => None,
+                    [remaining, reset_us] => Some(RateDecision {
+                        allowed: true,
+                        remaining: u32::try_from(remaining.max(0)).unwrap_or(u32::MAX),
+                        retry_after: None,
+                        reset_after: micros(reset_us).ok_or_else(|| unexpected(reply))?,
+                        degraded: false,
+                    }),
+                    _ => return Err(unexpected(reply)),
+                };
                 Ok(Attempt::Granted {
                     token: token_of(token).ok_or_else(|| unexpected(reply))?,
                     remaining: micros(left_us).ok_or_else(|| unexpected(reply))?,
+                    rate,
                 })
             }
             Some(&[2, retry_ms, now_us, _]) => {

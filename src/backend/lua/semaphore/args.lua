@@ -43,7 +43,8 @@
 -- its hold overloaded, then `@<µs>:` says how long its process held it), then the operation's
 -- arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
---       -> per member, in order: {1, token, left µs, now µs, limit} granted
+--       -> per member, in order: {1, token, left µs, now µs, limit[, rate remaining, rate
+--          reset µs]} granted (the last two when the grant spent the rate)
 --          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
 --          | {4, retry µs, limit} refused by the rate limit (nothing added, nothing spent)
 --          (`limit`: the limit in force); a member also released by this call is not added.

@@ -31,15 +31,18 @@ if op == 'acquire' then
     elseif cancelled[member] then
       answer = {0, 0, now_us, limit}
     elseif waiting == 0 and used + weight <= limit and settled(lease) then
-      local allowed, retry_us = true, 0
+      local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
       if rated and cost > 0 then
-        local _
-        allowed, _, retry_us = gcra(KEYS[7], rate, period, burst, cost, now_us)
+        allowed, remaining, retry_us, reset_us = gcra(KEYS[7], rate, period, burst, cost, now_us)
       end
       if allowed then
         local deadline
         token, deadline = grant(member, weight, lease, lease)
         answer = {1, token, left(deadline), now_us, limit}
+        if remaining then
+          -- The rate was spent: what it left, for the RateLimit headers.
+          answer[6], answer[7] = remaining, reset_us
+        end
       else
         answer = {4, retry_us, limit}
       end
