@@ -118,7 +118,7 @@ fn tables(out: &mut String, fleet: &Fleet, view: &View) {
             out,
             "<tr data-semaphore=\"{}\" data-used=\"{}\" data-limit=\"{}\">\
              <td class=\"name\">{}</td><td class=\"n used\">{}</td><td class=\"n limit\">{}</td>\
-             <td><div class=\"bar {level}\"><i style=\"width:{fill}%\"></i></div></td>\
+             <td class=\"usage\"><div class=\"bar {level}\"><i style=\"width:{fill}%\"></i></div></td>\
              <td class=\"n{}\">{}</td><td class=\"n\">{}</td><td>{}</td><td class=\"spark\"></td></tr>",
             html(name),
             snap.used,
