@@ -34,7 +34,8 @@ use fleet::Fleet;
 const EXIT_CODES: &str = "\
 Exit codes:
   0  done (also `list` finding nothing: it says so on stderr)
-  1  refused: no such semaphore or holder, `--create` or `--yes` needed, a limit of 0
+  1  refused: no such semaphore or holder, `--create` or `--yes` needed, a limit of 0,
+     an address `serve` cannot listen on
   2  usage: an unknown command, option or argument
   3  Redis cannot be reached or refused the call (connection, timeout, password, ACL)";
 
@@ -47,7 +48,13 @@ Exit codes:
 )]
 struct Cli {
     /// The Redis URL (`redis://`, `rediss://`), or a comma-separated list of Cluster nodes.
-    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    // `REDIS_URL`'s value is never printed in the help: it may hold a password.
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        hide_env_values = true,
+        default_value = "redis://127.0.0.1:6379"
+    )]
     url: String,
     /// The key prefix the services use (`RedisBackend::key_prefix`).
     #[arg(long, default_value = fleet::DEFAULT_PREFIX)]
@@ -66,6 +73,7 @@ enum Command {
     },
     /// One semaphore: its limit in force, use, waiters and holders (with their processes).
     Show {
+        /// The semaphore's name.
         name: String,
         /// Print JSON instead of a table.
         #[arg(long)]
@@ -73,7 +81,9 @@ enum Command {
     },
     /// Pin the limit every process admits by, at once and until unset.
     SetLimit {
+        /// The semaphore's name.
         name: String,
+        /// The limit, 1 or more.
         limit: u32,
         /// Pin it even though no process uses this name now (a typo would otherwise create a
         /// semaphore nobody uses).
@@ -81,18 +91,27 @@ enum Command {
         create: bool,
     },
     /// Unpin the limit: the processes' configured limit is in force again.
-    UnsetLimit { name: String },
-    /// Evict a stuck holder by its id (see `show`); its slot goes to the next waiter.
-    #[command(alias = "evict")]
-    Release {
+    UnsetLimit {
+        /// The semaphore's name.
         name: String,
+    },
+    /// Evict a stuck holder by its id (see `show`); its slot goes to the next waiter.
+    #[command(visible_alias = "evict")]
+    Release {
+        /// The semaphore's name.
+        name: String,
+        /// The holder's id, as `show` lists it.
         holder_id: String,
         /// Evict it: without this, the holder is only shown.
         #[arg(long)]
         yes: bool,
     },
-    /// Serve a live page of every semaphore and rate limiter, their JSON and the fleet's
-    /// gauges for Prometheus (`/`, `/api/semaphores`, `/api/rate-limiters`, `/metrics`).
+    /// Serve a live page of every semaphore and rate limiter, as JSON too, and the fleet's
+    /// gauges for Prometheus.
+    ///
+    /// `/` the page, `/api/semaphores` and `/api/rate-limiters` the JSON, `/metrics` the
+    /// gauges. No authentication: keep it on loopback or behind what guards your operator
+    /// pages.
     Serve {
         /// The address to listen on.
         #[arg(long, default_value = "127.0.0.1:9090")]
