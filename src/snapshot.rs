@@ -28,6 +28,9 @@ pub struct Snapshot {
     pub used: u32,
     /// How many wait in line, across every process.
     pub waiting: u32,
+    /// The limit was set by an operator ([`Semaphore::set_limit`](crate::Semaphore::set_limit))
+    /// and stays until [`unset_limit`](crate::Semaphore::unset_limit).
+    pub pinned: bool,
     /// Every live holder, longest-held first.
     pub holders: Vec<Holder>,
 }
@@ -44,4 +47,10 @@ pub struct Holder {
     pub held_for: Duration,
     /// How long until its lease ends unless renewed.
     pub lease_remaining: Duration,
+    /// The process that holds it: `host:pid`, or the name it was given
+    /// ([`RedisBackendBuilder::process_name`](crate::RedisBackendBuilder::process_name)).
+    /// Empty where it is not known: on a quorum, and on Redis for a process that has not told
+    /// its name since Redis lost it (it tells again with its first call on a new connection,
+    /// else within 30 s).
+    pub process: String,
 }

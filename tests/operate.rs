@@ -16,6 +16,7 @@ use support::Redis;
 on_both_backends!(
     a_snapshot_shows_the_limit_holders_and_waiters,
     lowering_the_limit_takes_nothing_from_holders,
+    unsetting_a_limit_returns_to_the_one_configured,
 );
 
 async fn a_snapshot_shows_the_limit_holders_and_waiters(backend: impl Backend + Clone) {
@@ -78,6 +79,172 @@ async fn lowering_the_limit_takes_nothing_from_holders(backend: impl Backend + C
     let back = sem.acquire().await.expect("1 held, limit 2: room for one");
     assert!(sem.try_acquire().await.unwrap().is_none());
     drop((held, back));
+}
+
+async fn unsetting_a_limit_returns_to_the_one_configured(backend: impl Backend + Clone) {
+    let sem = Semaphore::builder("unpin")
+        .limit(3)
+        .acquire_timeout(Duration::from_millis(200))
+        .build(backend)
+        .unwrap();
+    let held = sem.acquire().await.unwrap();
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!((snap.limit, snap.pinned), (3, false));
+    sem.set_limit(1).await.unwrap();
+    sem.set_limit(2).await.unwrap(); // a second pin returns to the configured one too
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!((snap.limit, snap.pinned), (2, true));
+    let second = sem.acquire().await.unwrap();
+    assert!(
+        sem.try_acquire().await.unwrap().is_none(),
+        "2 held, pinned at 2"
+    );
+    sem.unset_limit().await.unwrap();
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!((snap.limit, snap.pinned), (3, false));
+    let third = sem
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("room under the configured 3");
+    sem.unset_limit().await.unwrap(); // not pinned: nothing changes
+    assert_eq!(sem.snapshot().await.unwrap().limit, 3);
+    drop((held, second, third));
+}
+
+fn names(backend: RedisBackend) -> Semaphore {
+    Semaphore::builder("names")
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .build(backend)
+        .unwrap()
+}
+
+/// Holders name their process, `host:pid` by default, whether granted at once or from the
+/// line (a name is one per process: each test here has its own server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holders_name_their_process_by_host_and_pid() {
+    let redis = Redis::start().await;
+    let sem = names(redis.backend().await);
+    let first = sem.acquire().await.unwrap();
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire().await }
+    });
+    support::eventually(Duration::from_secs(5), "the waiter in line", || async {
+        sem.snapshot().await.unwrap().waiting == 1
+    })
+    .await;
+    let process = sem.snapshot().await.unwrap().holders[0].process.clone();
+    let pid = format!(":{}", std::process::id());
+    assert!(
+        process.ends_with(&pid) && process.len() > pid.len(),
+        "{process}"
+    );
+    drop(first);
+    let second = waiter.await.unwrap().unwrap();
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!(snap.holders[0].id, second.id());
+    assert_eq!(snap.holders[0].process, process, "granted from the line");
+}
+
+/// A name given to the backend is shown instead, cut to 64 bytes; names are kept beside the
+/// semaphore, in its slot, and expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holders_show_the_name_their_process_was_given() {
+    let redis = Redis::start().await;
+    let backend = RedisBackend::builder(redis.url.as_str())
+        .process_name(format!("web-1 (eu) {}", "é".repeat(40)))
+        .connect()
+        .await
+        .unwrap();
+    let sem = names(backend);
+    let held = sem.acquire().await.unwrap();
+    let snap = sem.snapshot().await.unwrap();
+    let expected = format!("web-1 (eu) {}", "é".repeat(26)); // 11 + 52 bytes: whole chars
+    assert_eq!(snap.holders[0].process, expected);
+    let key = "dlimit:{names}:procs";
+    let mut conn = redis.conn().await;
+    let names: Vec<String> = redis::cmd("ZRANGE")
+        .arg(key)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert!(names[0].ends_with(&expected), "{names:?}");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(ttl > 0 && ttl <= 3_600_000, "the names expire: {ttl}");
+    drop(held);
+}
+
+/// Redis restarted empty forgets the names; a process tells its own again with its first
+/// call on the new connection, not half a minute later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_come_back_after_redis_restarts_empty() {
+    let mut redis = Redis::start().await;
+    let backend = RedisBackend::builder(redis.url.as_str())
+        .process_name("worker-3")
+        .connect()
+        .await
+        .unwrap();
+    let sem = names(backend);
+    drop(sem.acquire().await.unwrap());
+    redis.kill();
+    redis.restart().await;
+    let held = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match sem.acquire().await {
+                Ok(permit) => return permit,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await
+    .expect("Redis is back within 5 s");
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!(snap.holders[0].id, held.id());
+    assert_eq!(snap.holders[0].process, "worker-3");
+}
+
+/// An operator pins a limit on a semaphore nobody uses yet (the `dlimit set-limit --create`
+/// case, its own limit a placeholder); unpinning returns to the limit the first process was
+/// configured with, never to the operator tool's placeholder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_pinned_before_first_use_unpins_to_the_configured_one() {
+    let redis = Redis::start().await;
+    let operator = Semaphore::builder("early")
+        .limit(u32::MAX)
+        .build(redis.backend().await)
+        .unwrap();
+    operator.set_limit(5).await.unwrap();
+    let sem = Semaphore::builder("early")
+        .limit(2)
+        .acquire_timeout(Duration::from_millis(200))
+        .build(redis.backend().await)
+        .unwrap();
+    let held: Vec<_> = futures_util::future::join_all((0..3).map(|_| sem.acquire())).await;
+    assert!(held.iter().all(Result::is_ok), "pinned at 5: 3 fit");
+    operator.unset_limit().await.unwrap();
+    let snap = operator.snapshot().await.unwrap();
+    assert_eq!((snap.limit, snap.pinned), (2, false));
+    assert!(
+        sem.try_acquire().await.unwrap().is_none(),
+        "3 held over 2: nobody new"
+    );
+    // Unpinned, the state expires with the holders again.
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("dlimit:{early}:meta")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    assert!(ttl > 0, "meta expires again once unpinned: {ttl}");
+    drop(held);
 }
 
 /// Holds `sem`'s permits with 4 tasks for `run`, counting holders with INCR/DECR on the

@@ -72,14 +72,20 @@ async fn the_semaphore_api_works_on_a_quorum() {
             .any(|h| h.id == again.id() && h.weight == 2)
     );
     drop((one, again));
+    assert!(!snap.pinned);
     sem.set_limit(1).await.unwrap();
-    assert_eq!(sem.snapshot().await.unwrap().limit, 1);
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!((snap.limit, snap.pinned), (1, true));
     let only = sem.acquire().await.unwrap();
     assert!(
         sem.try_acquire().await.unwrap().is_none(),
         "one slot under the set limit"
     );
     drop(only);
+    // Unpinned, each process admits by its configured limit again.
+    sem.unset_limit().await.unwrap();
+    let snap = sem.snapshot().await.unwrap();
+    assert_eq!((snap.limit, snap.pinned), (3, false));
 
     // Limit 1: one slot, fencing tokens strictly increase from holder to holder.
     let mutex = semaphore("mutex", 1).build(quorum(&urls).await).unwrap();

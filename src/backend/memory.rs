@@ -12,7 +12,9 @@ use tokio::time::Instant;
 use super::gcra::{
     Cells, Gcra, OpenedRate, RateBackend, RateDecision, RateStore, Rated, sealed::OpenRate,
 };
-use super::store::{Attempt, Ending, Member, Mode, Opened, Store, sealed::Open};
+use super::store::{
+    Attempt, Ending, Member, Mode, Opened, Store, default_process_name, sealed::Open,
+};
 use crate::adaptive::Gradient;
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
@@ -89,6 +91,12 @@ struct AllPermits {
     sweep_at: usize,
 }
 
+/// This process's name for its holders, read once.
+fn process_name() -> &'static str {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(default_process_name)
+}
+
 /// One semaphore's holders and line; removed from the map when both are empty (unless an
 /// operator set its limit).
 struct Permits {
@@ -98,6 +106,8 @@ struct Permits {
     limit: u32,
     /// Set by `set_limit`: kept while idle, and no longer adapted.
     pinned: bool,
+    /// While pinned, the limit `unset_limit` returns to.
+    unpinned: u32,
     /// An adaptive limit's state: `limit` follows it. Kept while idle until `keep_until` (half
     /// a lease past the latest lease, as Redis keeps it), so a pause in traffic does not
     /// reset what was learnt.
@@ -127,6 +137,7 @@ impl Permits {
             used: 0,
             limit,
             pinned: false,
+            unpinned: limit,
             gradient: adaptive.map(Gradient::new),
             keep_until: Instant::now(),
             queue: BTreeMap::new(),
@@ -413,6 +424,7 @@ impl Store for MemorySemaphore {
                         weight: holding.weight,
                         held_for: now.saturating_duration_since(holding.granted),
                         lease_remaining: holding.deadline.saturating_duration_since(now),
+                        process: process_name().to_owned(),
                     };
                     (holding.granted, holder)
                 })
@@ -422,6 +434,7 @@ impl Store for MemorySemaphore {
                 limit: permits.limit,
                 used: permits.used,
                 waiting: u32::try_from(permits.queue.len()).unwrap_or(u32::MAX),
+                pinned: permits.pinned,
                 holders: holders.into_iter().map(|(_, holder)| holder).collect(),
             }
         });
@@ -450,8 +463,21 @@ impl Store for MemorySemaphore {
 
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
         self.with(|permits, _, _| {
+            if !permits.pinned {
+                permits.unpinned = permits.limit;
+            }
             permits.limit = limit;
             permits.pinned = true;
+        });
+        Box::pin(async { Ok(()) })
+    }
+
+    fn unset_limit(&self) -> BoxFuture<'_, Result<(), Error>> {
+        self.with(|permits, _, _| {
+            if permits.pinned {
+                permits.limit = permits.unpinned;
+                permits.pinned = false;
+            }
         });
         Box::pin(async { Ok(()) })
     }

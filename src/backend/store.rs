@@ -66,6 +66,30 @@ pub(crate) fn process_tag() -> u32 {
     *TAG.get_or_init(|| fastrand::u32(..))
 }
 
+/// The longest process name kept (bytes): names are stored beside each semaphore.
+const NAME_LEN: usize = 64;
+
+/// This process as holders name it: `host:pid` (the host from the kernel, else `$HOSTNAME`).
+pub(crate) fn default_process_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|host| host.trim().to_owned())
+        .filter(|host| !host.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    bounded_name(format!("{host}:{}", std::process::id()))
+}
+
+/// `name` cut to [`NAME_LEN`] bytes, at a character boundary.
+pub(crate) fn bounded_name(mut name: String) -> String {
+    let mut end = name.len().min(NAME_LEN);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    name.truncate(end);
+    name
+}
+
 impl Member {
     /// A fresh holder id, never reused: this process's tag, then 96 random bits.
     pub(crate) fn new(weight: u32, lease: Duration) -> Self {
@@ -214,6 +238,10 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
 
     /// Makes `limit` the limit every process admits by, from now on.
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>>;
+
+    /// Drops an operator's limit: the limit in force before it is back (see
+    /// `Semaphore::unset_limit`).
+    fn unset_limit(&self) -> BoxFuture<'_, Result<(), Error>>;
 
     /// Removes the holder whose id is `id` (an operator's decision); whether it held.
     fn evict<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, Error>>;

@@ -378,7 +378,7 @@ impl Semaphore {
     /// Without `set_limit`, the first process to use a semaphore stores its configured limit
     /// and the others adopt it (a warning is logged where a process was built with another);
     /// that stored limit goes away when the semaphore falls idle and its keys expire. A set
-    /// limit stays. On a semaphore whose limit [adapts](crate::SemaphoreBuilder::adaptive),
+    /// limit stays until [`unset_limit`](Self::unset_limit). On a semaphore whose limit [adapts](crate::SemaphoreBuilder::adaptive),
     /// `set_limit` pins it: it stays where it was set and stops adapting.
     ///
     /// # Example
@@ -409,6 +409,40 @@ impl Semaphore {
     pub async fn set_limit(&self, limit: u32) -> Result<(), Error> {
         self.check_limit(limit)?;
         self.inner.origin.store.set_limit(limit).await
+    }
+
+    /// Undoes [`set_limit`](Self::set_limit), for every process: the limit in force before
+    /// it was set is back (on a semaphore pinned before any process used it, the first
+    /// configured limit a process calls with), and an [adaptive](crate::SemaphoreBuilder::adaptive)
+    /// limit adapts again from there. A semaphore not pinned is left as it is. On a quorum,
+    /// every process admits by its own configured limit again.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{MemoryBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("db").limit(2).build(MemoryBackend::new())?;
+    /// let _p = sem.acquire().await?;
+    /// sem.set_limit(8).await?;                  // an incident: pinned for everyone
+    /// assert!(sem.snapshot().await?.pinned);
+    /// sem.unset_limit().await?;                 // over: back to the configured limit
+    /// let snap = sem.snapshot().await?;
+    /// assert_eq!((snap.limit, snap.pinned), (2, false));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Backend`] when the backend cannot be reached (the pin may or may not be gone:
+    /// call again).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future may or may not unpin the limit; unpinning again is harmless.
+    pub async fn unset_limit(&self) -> Result<(), Error> {
+        self.inner.origin.store.unset_limit().await
     }
 
     fn check_limit(&self, limit: u32) -> Result<(), Error> {

@@ -21,8 +21,10 @@
 --   release <member> <slot>...        -> how many were released (announced on the channel)
 --   used                          -> how many slots are held
 --   set_limit <n>                 -> 1
+--   unset_limit                   -> 1 (the callers' own limit is back)
 --   evict <id>                    -> how many slots the holder with that id lost
---   snapshot                      -> {limit, then per held slot: slot, member, ms left}
+--   snapshot                      -> {limit, pinned (0|1), then per held slot: slot, member,
+--                                     ms left}
 --
 -- `born` is set the first time this node serves any semaphore and never expires. A node
 -- whose data is younger than a lease abstains from `take`: it cannot tell a first start from
@@ -150,6 +152,9 @@ elseif op == 'used' then
 elseif op == 'set_limit' then
   redis.call('SET', limit_key, ARGV[4])
   return 1
+elseif op == 'unset_limit' then
+  redis.call('DEL', limit_key)
+  return 1
 elseif op == 'evict' then
   local evicted = 0
   for _, slot in ipairs(redis.call('ZRANGE', owned, 0, -1)) do
@@ -165,7 +170,7 @@ elseif op == 'evict' then
   end
   return evicted
 elseif op == 'snapshot' then
-  local reply = {limit}
+  local reply = {limit, redis.call('EXISTS', limit_key)}
   local entries = redis.call('ZRANGE', owned, 0, -1, 'WITHSCORES')
   for i = 1, #entries, 2 do
     table.insert(reply, tonumber(entries[i]))

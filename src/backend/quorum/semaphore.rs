@@ -14,6 +14,7 @@ use super::{Nodes, QuorumBackend};
 use crate::backend::health;
 use crate::backend::redis::CALLS;
 use crate::backend::store::{Opened, sealed::Open};
+use crate::sync::BoxFuture;
 use crate::{AdaptiveLimit, Error};
 
 /// Every operation on one node, in one script.
@@ -163,6 +164,23 @@ impl QuorumSemaphore {
     }
 
     /// The error of `op`, which only `answered` nodes answered: fewer than a majority.
+    /// `op` with `args` on every node (`set_limit`, `unset_limit`); done once a majority
+    /// answered.
+    pub(super) fn on_majority(
+        &self,
+        op: &'static str,
+        args: Vec<String>,
+    ) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            let answers = self.on_all(op, &args).await;
+            let stored = answers.iter().flatten().count();
+            if stored < self.majority() {
+                return Err(self.too_few(op, stored));
+            }
+            Ok(())
+        })
+    }
+
     pub(super) fn too_few(&self, op: &str, answered: usize) -> Error {
         let down: Vec<&str> = (self.shared.nodes.iter())
             .filter(|node| !node.health.is_up())

@@ -125,16 +125,18 @@ impl Store for QuorumSemaphore {
                 return Err(self.too_few("snapshot", answered.len()));
             }
             let mut limits = Vec::new();
+            let mut pins = 0;
             // (slot, member) -> on how many nodes, and the least time left.
             let mut seen: HashMap<(i64, String), (usize, i64)> = HashMap::new();
             for answer in answered {
                 let Value::Array(items) = answer else {
                     continue;
                 };
-                let Some((limit, rest)) = items.split_first() else {
+                let Some(([limit, pin], rest)) = items.split_first_chunk() else {
                     continue;
                 };
                 limits.extend(integer(limit));
+                pins += usize::from(integer(pin) == Some(1));
                 for held in rest.chunks_exact(3) {
                     if let (Value::Int(slot), Value::BulkString(member), Value::Int(left)) =
                         (&held[0], &held[1], &held[2])
@@ -163,12 +165,14 @@ impl Store for QuorumSemaphore {
                     weight,
                     held_for: Duration::ZERO,
                     lease_remaining: Duration::from_millis(left.max(0).unsigned_abs()),
+                    process: String::new(),
                 })
                 .collect();
             Ok(Snapshot {
                 limit: u32::try_from(limit.max(0)).unwrap_or(u32::MAX),
                 used: holders.iter().map(|holder| holder.weight).sum(),
                 waiting: 0,
+                pinned: pins >= self.majority(),
                 holders,
             })
         })
@@ -190,14 +194,11 @@ impl Store for QuorumSemaphore {
 
     /// Stored on every node; it counts once a majority has it.
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
-        Box::pin(async move {
-            let answers = self.on_all("set_limit", &[limit.to_string()]).await;
-            let stored = answers.iter().flatten().count();
-            if stored < self.majority() {
-                return Err(self.too_few("set_limit", stored));
-            }
-            Ok(())
-        })
+        self.on_majority("set_limit", vec![limit.to_string()])
+    }
+
+    fn unset_limit(&self) -> BoxFuture<'_, Result<(), Error>> {
+        self.on_majority("unset_limit", Vec::new())
     }
 
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {

@@ -101,6 +101,9 @@ struct Connection {
     /// processes that had not heard of the failover, have ended by then. It is the oldest
     /// word of the sentinels a call may act on, plus the call's own time.
     promotion_fence: Option<Duration>,
+    /// This process's tag and name, `"<tag> <name>"`, told with a call now and then (see
+    /// `RedisBackendBuilder::process_name`).
+    process: Arc<str>,
 }
 
 /// `wait_for_replicas`: a grant counts once `count` replicas acknowledged it within `timeout`.

@@ -41,6 +41,9 @@ static SEMAPHORE: Lua = Lua::new(concat!(
 /// takes it for a step forward (µs): well above a round trip and a busy scheduler's delay.
 const STEP_US: i64 = 500_000;
 
+/// How often a process tells a semaphore its name (see `RedisBackendBuilder::process_name`).
+const NAME_EVERY: Duration = Duration::from_secs(30);
+
 /// The most members one call renews or refreshes, so a long list never blocks Redis for long.
 const BATCH: usize = 1000;
 
@@ -64,7 +67,7 @@ struct RedisSemaphore {
     me: Weak<RedisSemaphore>,
     /// Keeps the connection and the announcement hub alive as long as the semaphore.
     shared: Arc<Connection>,
-    keys: [String; 5],
+    keys: [String; 6],
     /// Through Sentinel: the server's promotion key (one per prefix) and the fence (see
     /// `Connection::promotion_fence`).
     promoted: Option<(String, Duration)>,
@@ -74,6 +77,9 @@ struct RedisSemaphore {
     /// This process's tag, sent with every call: a call is news that the process is alive
     /// (see the silent processes of `lua/semaphore/`).
     tag: String,
+    /// When this process's name last went with a call, and its last call (see
+    /// [`RedisSemaphore::caller`]).
+    named: Mutex<Option<Named>>,
     /// How long a grant to a waiter stays provisional (`SemaphoreBuilder::claim_window`).
     claim: Duration,
     /// The local instant clock readings are counted from, and the smallest offset of the
@@ -113,6 +119,15 @@ struct Outbox {
     acquires: Vec<Queued>,
 }
 
+/// When this process last told a semaphore its name (from `RedisSemaphore::base`), the count
+/// of lost connections then, and when it last called.
+#[derive(Clone, Copy)]
+struct Named {
+    told: Duration,
+    epoch: u64,
+    last_call: Duration,
+}
+
 /// An acquire waiting for the call in flight.
 struct Queued {
     member: Arc<str>,
@@ -137,7 +152,8 @@ impl RedisSemaphore {
         Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
             shared: backend.shared.clone(),
-            keys: ["holders", "meta", "queue", "alive", "since"].map(|key| format!("{base}:{key}")),
+            keys: ["holders", "meta", "queue", "alive", "since", "procs"]
+                .map(|key| format!("{base}:{key}")),
             promoted: (backend.shared.promotion_fence)
                 .map(|fence| (format!("{}dlimit-promoted", backend.prefix), fence)),
             warned: AtomicBool::new(false),
@@ -150,11 +166,57 @@ impl RedisSemaphore {
             adaptive: adaptive.is_some(),
             channel: format!("{base}:granted"),
             tag: format!("{:08x}", process_tag()),
+            named: Mutex::new(None),
             claim,
             base: Instant::now(),
             clock: Mutex::new(None),
             outbox: Mutex::default(),
         })
+    }
+
+    /// `set_limit <limit>` or `unset_limit`: both answer 1.
+    fn pin(&self, op: &'static str, limit: Option<u32>) -> BoxFuture<'_, Result<(), Error>> {
+        Box::pin(async move {
+            match self
+                .run(op, None, None, None, |script, _| {
+                    if let Some(limit) = limit {
+                        script.arg(limit);
+                    }
+                })
+                .await?
+            {
+                Value::Int(1) => Ok(()),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    /// This process's tag, with its name when Redis may not have it: every [`NAME_EVERY`],
+    /// after a lost connection, and after a pause in this process's calls of a claim window
+    /// or more (the names expire with the holders, at least two thirds of a lease after a
+    /// holder's last call, and the claim window is at most half a lease). One more short
+    /// argument then, never a call of its own.
+    fn caller(&self) -> &str {
+        let now = self.base.elapsed();
+        let epoch = *self.shared.reconnects.borrow();
+        let mut named = lock(&self.named);
+        let due = named.is_none_or(|named| {
+            // (Another caller may have read a later `now` before taking the lock.)
+            named.epoch != epoch
+                || now.saturating_sub(named.told) >= NAME_EVERY
+                || now.saturating_sub(named.last_call) >= self.claim
+        });
+        let told = match *named {
+            Some(named) if !due => named.told,
+            _ => now,
+        };
+        let last_call = named.map_or(now, |named| named.last_call.max(now));
+        *named = Some(Named {
+            told,
+            epoch,
+            last_call,
+        });
+        if due { &self.shared.process } else { &self.tag }
     }
 
     fn outbox(&self) -> MutexGuard<'_, Outbox> {
@@ -185,6 +247,8 @@ impl RedisSemaphore {
             .replicas
             .filter(|_| matches!(op, "acquire" | "touch" | "renew"));
         let until = until.unwrap_or_else(|| Instant::now() + self.shared.call_timeout);
+        // Decided once: every attempt of the call carries the same (a first one may be lost).
+        let caller = self.caller();
         let result = invoke(
             &SEMAPHORE,
             &self.shared,
@@ -214,7 +278,7 @@ impl RedisSemaphore {
                     .arg(PATIENCE.as_millis() as u64)
                     .arg(self.claim.as_millis() as u64)
                     .arg(promoted.map_or(0, |(_, fence)| fence.as_millis() as u64))
-                    .arg(&self.tag)
+                    .arg(caller)
                     .arg(carried.members.len() + echoed.len() + usize::from(releasing.is_some()));
                 if let Some(member) = releasing {
                     command.arg(member);
@@ -782,17 +846,11 @@ impl Store for RedisSemaphore {
     }
 
     fn set_limit(&self, limit: u32) -> BoxFuture<'_, Result<(), Error>> {
-        Box::pin(async move {
-            match self
-                .run("set_limit", None, None, None, |script, _| {
-                    script.arg(limit);
-                })
-                .await?
-            {
-                Value::Int(1) => Ok(()),
-                other => Err(unexpected(&other)),
-            }
-        })
+        self.pin("set_limit", Some(limit))
+    }
+
+    fn unset_limit(&self) -> BoxFuture<'_, Result<(), Error>> {
+        self.pin("unset_limit", None)
     }
 
     fn evict<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<bool, Error>> {
@@ -853,7 +911,8 @@ impl Refresh for RedisSemaphore {
     }
 }
 
-/// `{limit, used, waiting, now ms, then per holder: member, deadline ms, granted ms}`.
+/// `{limit, used, waiting, now ms, pinned, then per holder: member, deadline ms, granted ms,
+/// process name}`.
 fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
     let Value::Array(items) = reply else {
         return None;
@@ -865,12 +924,12 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
             _ => None,
         }
     };
-    let (head, rest) = items.split_at_checked(4)?;
+    let (head, rest) = items.split_at_checked(5)?;
     let count = |value: &Value| u32::try_from(int(value)?.max(0)).ok();
     let now = int(&head[3])?;
     let millis = |ms: i64| Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0));
-    let holders = rest
-        .chunks_exact(3)
+    let mut holders = rest
+        .chunks_exact(4)
         .map(|holder| {
             let Value::BulkString(member) = &holder[0] else {
                 return None;
@@ -880,6 +939,9 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
             let id = parts.next()?.to_owned();
             let weight = parts.next()?.parse().ok()?;
             let (deadline, granted) = (int(&holder[1])?, int(&holder[2])?);
+            let Value::BulkString(process) = &holder[3] else {
+                return None;
+            };
             Some(Holder {
                 id,
                 weight,
@@ -889,15 +951,16 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
                     Duration::ZERO
                 },
                 lease_remaining: millis(deadline - now),
+                process: String::from_utf8_lossy(process).into_owned(),
             })
         })
         .collect::<Option<Vec<_>>>()?;
-    let mut holders = holders;
     holders.sort_by_key(|holder| std::cmp::Reverse(holder.held_for));
     Some(Snapshot {
         limit: count(&head[0])?,
         used: count(&head[1])?,
         waiting: count(&head[2])?,
+        pinned: int(&head[4])? == 1,
         holders,
     })
 }

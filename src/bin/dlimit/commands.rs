@@ -41,7 +41,7 @@ pub async fn list(fleet: &Fleet, json: bool) -> Result<(), Failure> {
             snap.used,
             limit(snap),
             snap.waiting,
-            if fleet::pinned(snap) { "yes" } else { "no" }
+            if snap.pinned { "yes" } else { "no" }
         );
     }
     Ok(())
@@ -59,8 +59,8 @@ pub async fn show(fleet: &Fleet, name: &str, json: bool) -> Result<(), Failure> 
         snap.used,
         limit(&snap),
         snap.waiting,
-        if fleet::pinned(&snap) {
-            "pinned by an operator (dlimit unset-limit returns it to the configured one)"
+        if snap.pinned {
+            "pinned by an operator (`dlimit unset-limit` undoes it)"
         } else {
             "as configured"
         }
@@ -84,7 +84,7 @@ pub async fn set_limit(fleet: &Fleet, name: &str, limit: u32, create: bool) -> R
     });
     println!(
         "semaphore {}: limit pinned at {limit} for every process{was}; \
-         `dlimit unset-limit` returns it to the configured limit",
+         `dlimit unset-limit` undoes it",
         terminal(name)
     );
     Ok(())
@@ -92,7 +92,7 @@ pub async fn set_limit(fleet: &Fleet, name: &str, limit: u32, create: bool) -> R
 
 pub async fn unset_limit(fleet: &Fleet, name: &str) -> Result<(), Failure> {
     let snap = known(fleet, name).await?;
-    if !fleet::pinned(&snap) {
+    if !snap.pinned {
         println!(
             "semaphore {}: its limit is not pinned; the configured limit ({}) is in force",
             terminal(name),
@@ -100,21 +100,18 @@ pub async fn unset_limit(fleet: &Fleet, name: &str) -> Result<(), Failure> {
         );
         return Ok(());
     }
-    // TODO(merge): `Semaphore::unset_limit` from main.
-    let _ = fleet.semaphore(name)?;
-    return Err(Failure::Refused(
-        "unset-limit needs Semaphore::unset_limit".into(),
-    ));
-    #[allow(unreachable_code)]
-    {
-        println!(
-            "semaphore {}: limit unpinned (was {}); the processes' configured limit is in force \
-         again from their next acquisition",
-            terminal(name),
-            limit(&snap)
-        );
-        Ok(())
-    }
+    let semaphore = fleet.semaphore(name)?;
+    semaphore.unset_limit().await?;
+    let now = match fleet::limit(&semaphore.snapshot().await?) {
+        Some(limit) => format!("every process admits by {limit} again, as before the pin"),
+        None => "the first process to use it stores its configured limit".into(),
+    };
+    println!(
+        "semaphore {}: limit unpinned (was {}); {now}",
+        terminal(name),
+        limit(&snap)
+    );
+    Ok(())
 }
 
 pub async fn release(fleet: &Fleet, name: &str, id: &str, yes: bool) -> Result<(), Failure> {
@@ -197,7 +194,7 @@ fn print_holders<'a>(holders: impl Iterator<Item = &'a Holder>) {
         "HOLDER", "PROCESS", "WEIGHT", "HELD FOR", "LEASE LEFT"
     );
     for holder in holders {
-        let process = fleet::process(holder);
+        let process = holder.process.as_str();
         println!(
             "{:<34} {:<24} {:>6} {:>10} {:>10}",
             terminal(&holder.id),

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::{StreamExt, TryStreamExt, stream};
 use redis::Value;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use tower_distributed_limit::{Holder, RedisBackend, Semaphore, Snapshot};
+use tower_distributed_limit::{RedisBackend, Semaphore, Snapshot};
 
 use crate::Failure;
 
@@ -102,10 +102,8 @@ impl Fleet {
     /// The semaphore now, or `None` when nobody uses it and no limit is pinned for it.
     pub async fn snapshot(&self, name: &str) -> Result<Option<Snapshot>, Failure> {
         let snap = self.semaphore(name)?.snapshot().await?;
-        let unknown = snap.limit == NO_LIMIT
-            && snap.holders.is_empty()
-            && snap.waiting == 0
-            && !pinned(&snap);
+        let unknown =
+            snap.limit == NO_LIMIT && snap.holders.is_empty() && snap.waiting == 0 && !snap.pinned;
         Ok((!unknown).then_some(snap))
     }
 
@@ -329,20 +327,6 @@ pub fn limit(snap: &Snapshot) -> Option<u32> {
     (snap.limit != NO_LIMIT).then_some(snap.limit)
 }
 
-/// Whether an operator pinned the limit (`set-limit`).
-pub fn pinned(snap: &Snapshot) -> bool {
-    // TODO(merge): `Snapshot::pinned` from main.
-    let _ = snap;
-    false
-}
-
-/// The holder's process (`host:pid`), empty when unknown.
-pub fn process(holder: &Holder) -> &str {
-    // TODO(merge): `Holder::process` from main.
-    let _ = holder;
-    ""
-}
-
 /// A semaphore as `show --json`, `list --json` and `/api/semaphores` print it.
 pub fn semaphore_json(name: &str, snap: &Snapshot) -> serde_json::Value {
     let holders: Vec<serde_json::Value> = snap
@@ -351,7 +335,7 @@ pub fn semaphore_json(name: &str, snap: &Snapshot) -> serde_json::Value {
         .map(|holder| {
             serde_json::json!({
                 "id": holder.id,
-                "process": process(holder),
+                "process": holder.process,
                 "weight": holder.weight,
                 "held_for_ms": holder.held_for.as_millis() as u64,
                 "lease_remaining_ms": holder.lease_remaining.as_millis() as u64,
@@ -361,7 +345,7 @@ pub fn semaphore_json(name: &str, snap: &Snapshot) -> serde_json::Value {
     serde_json::json!({
         "name": name,
         "limit": limit(snap),
-        "pinned": pinned(snap),
+        "pinned": snap.pinned,
         "used": snap.used,
         "waiting": snap.waiting,
         "holders": holders,

@@ -90,7 +90,7 @@ enum Command {
         #[arg(long)]
         create: bool,
     },
-    /// Unpin the limit: the processes' configured limit is in force again.
+    /// Unpin the limit: the limit in force before the pin is back, for every process.
     UnsetLimit {
         /// The semaphore's name.
         name: String,

@@ -49,7 +49,7 @@ pub async fn scrape(fleet: &Fleet) -> Result<String, Failure> {
             &semaphores,
             "dlimit_fleet_semaphore_pinned",
             "1 while an operator pinned the limit (dlimit set-limit), else 0.",
-            |snap| Some(if fleet::pinned(snap) { 1.0 } else { 0.0 }),
+            |snap| Some(if snap.pinned { 1.0 } else { 0.0 }),
         ),
         Family {
             name: "dlimit_fleet_rate_limiter_ahead_seconds",

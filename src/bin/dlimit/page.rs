@@ -129,7 +129,7 @@ fn tables(out: &mut String, fleet: &Fleet, view: &View) {
             if snap.waiting > 0 { " waiting" } else { "" },
             snap.waiting,
             snap.holders.len(),
-            if fleet::pinned(snap) {
+            if snap.pinned {
                 "<span class=\"badge pinned\" title=\"set with dlimit set-limit\">operator (pinned)</span>"
             } else {
                 "<span class=\"badge\">configuration</span>"
@@ -148,7 +148,7 @@ fn tables(out: &mut String, fleet: &Fleet, view: &View) {
     }
     for (name, snap) in &view.semaphores {
         for holder in &snap.holders {
-            let process = fleet::process(holder);
+            let process = holder.process.as_str();
             let _ = write!(
                 out,
                 "<tr><td class=\"name\">{}</td><td class=\"mono\">{}</td>\

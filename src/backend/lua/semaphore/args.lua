@@ -17,11 +17,15 @@
 --                  process is silent (frozen or dead), and its other waiters are passed over
 --                  until it makes a call; `adaptive` = "<min>/<max>" when the limit adapts
 --                  (set with the state by the process that creates it), and its state in
---                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over` (adapt.lua)
+--                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over` (adapt.lua);
+--                  `unpinned` = while pinned, the limit to return to when unpinned (the one
+--                  in force before, else the first configured limit a process calls with)
 -- KEYS[3] queue:   zset, member -> arrival (µs, strictly increasing): who waits, oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
--- KEYS[6] (acquire only, optional) a rate limiter's key, decided with the acquires
+-- KEYS[6] procs:   zset, "<process tag> <process name>" -> when last told (ms), for snapshots;
+--                  names not told for an hour are dropped; expires with holders
+-- KEYS[7] (acquire only, optional) a rate limiter's key, decided with the acquires
 -- KEYS[#KEYS] (with a promotion fence) promoted: hash, `id` = the replication id under which
 --                  this server was first seen promoted from a replica, `at` = when (ms); one
 --                  key for every semaphore of the server (used through Sentinel only)
@@ -32,8 +36,9 @@
 --
 -- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or
 -- SPUBLISH on a cluster), the caller's limit (`<n>`, or `<initial>/<min>/<max>` adaptive),
--- patience ms, claim ms, promotion fence ms (0: none), the caller's process tag, k, then k
--- members to release
+-- patience ms, claim ms, promotion fence ms (0: none), the caller's process tag (followed by
+-- a space and the process's name now and then, to be kept in procs), k, then k members to
+-- release
 -- (holders or waiters; absent ones are ignored; for an adaptive limit, `!` before one marks
 -- its hold overloaded, then `@<µs>:` says how long its process held it), then the operation's
 -- arguments:
@@ -53,9 +58,13 @@
 --                                   back)}
 --   used                         -> live weight
 --   set_limit <n>                -> 1; every process admits by n from now on (pinned)
+--   unset_limit                  -> 1; the pin is gone: the limit in force before it (or the
+--                                   first configured one a process called with) is back,
+--                                   and an adaptive limit adapts again
 --   evict <id>                   -> 1 if the holder with that id was removed, else 0
---   snapshot                     -> {limit, used, waiting, now ms, then per holder: member,
---                                    deadline ms, granted ms}
+--   snapshot                     -> {limit, used, waiting, now ms, pinned (0|1), then per
+--                                    holder: member, deadline ms, granted ms, process name
+--                                    ('' when not known)}
 -- An acquire whose weight is above the limit in force answers {3, limit}.
 -- "left µs" is a deadline minus the server time of this call, exact to the µs: a client that
 -- adds it to the moment it sent the call never believes a lease past the server's.
@@ -64,12 +73,13 @@
 -- to get its full lease; each grant is published as "<member> <token> <deadline ms>" on
 -- "<channel>:<the member's process>", which only that process subscribes to. "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
 local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local procs = KEYS[6]
 local op, channel, publisher = ARGV[1], ARGV[2], ARGV[3]
 local initial, adapt_min, adapt_max = string.match(ARGV[4], '^(%d+)/(%d+)/(%d+)$')
 local limit = tonumber(initial or ARGV[4])
 local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
 local promotion_fence = tonumber(ARGV[7])
-local caller = ARGV[8]
+local caller, caller_name = string.sub(ARGV[8], 1, 8), string.sub(ARGV[8], 10)
 local released = tonumber(ARGV[9])
 local args = 10 + released
 if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
@@ -111,7 +121,7 @@ local function left(deadline)
 end
 
 local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
-  'line', 'arrived', 'pending', 's:' .. caller, 'adaptive')
+  'line', 'arrived', 'pending', 's:' .. caller, 'adaptive', 'unpinned')
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local line = tonumber(stored[7]) or 0
@@ -135,6 +145,8 @@ local pinned = stored[6] == '1'
 -- Whether the limit adapts ("<min>/<max>"), decided with the limit by whoever stores it.
 -- (A missing field reads as false.)
 local adaptive = stored[11] or nil
+local configured = limit
+local unpinned = tonumber(stored[12])
 if tonumber(stored[5]) then
   limit = tonumber(stored[5])
 else
@@ -142,7 +154,24 @@ else
   adaptive = adapt_min and (adapt_min .. '/' .. adapt_max) or nil
 end
 if op == 'set_limit' then
+  -- The limit to return to: the one in force, unless it is a pin, or the caller's own (an
+  -- operator's tool pinning a semaphore nobody uses has no limit of its own to give).
+  if not pinned and tonumber(stored[5]) then
+    unpinned = limit
+  end
   limit = tonumber(ARGV[args])
   pinned = true
+  changed = true
+elseif op == 'unset_limit' then
+  if pinned then
+    limit = unpinned or limit
+    unpinned = nil
+    pinned = false
+    changed = true
+  end
+elseif pinned and not unpinned and op ~= 'snapshot' and op ~= 'evict' then
+  -- Pinned before any process used it: the first process's configured limit is the one to
+  -- return to.
+  unpinned = configured
   changed = true
 end

@@ -10,9 +10,9 @@ if op == 'acquire' then
     local member = released_member(ARGV[i])
     cancelled[member] = true
   end
-  -- A rate limit (KEYS[6]) decided with each acquire that would be granted at once.
+  -- A rate limit (KEYS[7]) decided with each acquire that would be granted at once.
   local rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
-  local rated = KEYS[6] ~= nil and KEYS[6] ~= promoted_key and rate > 0
+  local rated = KEYS[7] ~= nil and KEYS[7] ~= promoted_key and rate > 0
   reply = {}
   for i = args + 3, #ARGV - 2, 3 do
     local member, mode, cost = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
@@ -34,7 +34,7 @@ if op == 'acquire' then
       local allowed, retry_us = true, 0
       if rated and cost > 0 then
         local _
-        allowed, _, retry_us = gcra(KEYS[6], rate, period, burst, cost, now_us)
+        allowed, _, retry_us = gcra(KEYS[7], rate, period, burst, cost, now_us)
       end
       if allowed then
         local deadline
@@ -83,19 +83,24 @@ elseif op == 'renew' then
   end
 elseif op == 'used' then
   reply = math.max(used, 0)
-elseif op == 'set_limit' then
+elseif op == 'set_limit' or op == 'unset_limit' then
   reply = 1
 elseif op == 'evict' then
   reply = evicted
 elseif op == 'snapshot' then
-  reply = {limit, math.max(used, 0), redis.call('ZCARD', queue), now}
-  for _, entry in ipairs(redis.call('ZRANGE', holders, 0, -1, 'WITHSCORES')) do
-    table.insert(reply, entry)
+  reply = {limit, math.max(used, 0), redis.call('ZCARD', queue), now, pinned and 1 or 0}
+  -- Each process's latest name (the set is ordered by when each was told).
+  local names = {}
+  for _, entry in ipairs(redis.call('ZRANGE', procs, 0, -1)) do
+    names[string.sub(entry, 1, 8)] = string.sub(entry, 10)
   end
-  local at = 5
-  while at <= #reply do
-    table.insert(reply, at + 2, tonumber(redis.call('HGET', since, reply[at])) or 0)
-    at = at + 3
+  local entries = redis.call('ZRANGE', holders, 0, -1, 'WITHSCORES')
+  for i = 1, #entries, 2 do
+    local member = entries[i]
+    table.insert(reply, member)
+    table.insert(reply, entries[i + 1])
+    table.insert(reply, tonumber(redis.call('HGET', since, member)) or 0)
+    table.insert(reply, names[string.sub(member, 1, 8)] or '')
   end
 else
   return redis.error_reply('unknown semaphore operation ' .. tostring(op))
@@ -137,14 +142,25 @@ if changed then
       table.insert(fields, pinned and '1' or '0')
     end
     redis.call('HSET', meta, unpack(fields))
+    if unpinned ~= tonumber(stored[12]) then
+      if unpinned then
+        redis.call('HSET', meta, 'unpinned', int(unpinned))
+      else
+        redis.call('HDEL', meta, 'unpinned')
+      end
+    end
     if horizon ~= tonumber(stored[4]) then
       redis.call('PEXPIREAT', since, int(horizon))
+      redis.call('PEXPIREAT', procs, int(horizon))
       if not pinned then
         redis.call('PEXPIREAT', meta, int(horizon))
       end
     end
     if pinned then
       redis.call('PERSIST', meta)
+    elseif stored[6] == '1' then
+      -- Unpinned by this call: meta expires with the holders again.
+      redis.call('PEXPIREAT', meta, int(horizon))
     end
   end
 end

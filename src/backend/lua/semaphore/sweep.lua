@@ -71,6 +71,15 @@ end
 if stored[10] then
   redis.call('HDEL', meta, 's:' .. caller)
 end
+-- The caller's name, told now and then (`RedisBackendBuilder::process_name`), for snapshots.
+-- Names not told for an hour go, so the set holds the processes of the last hour at most; the
+-- set expires with the holders (its expiry moves with theirs, at the end), and lives a claim
+-- window at least: the caller tells its name again after a pause that long, not sooner.
+if caller_name ~= '' then
+  redis.call('ZADD', procs, now, ARGV[8])
+  redis.call('ZREMRANGEBYSCORE', procs, '-inf', now - 3600000)
+  redis.call('PEXPIREAT', procs, int(math.max(horizon, now + claim)))
+end
 if used and count then
   for _, member in ipairs(expired) do
     used = used - parse(member)
