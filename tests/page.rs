@@ -221,62 +221,36 @@ async fn the_page_json_and_metrics_show_the_fleet_live() {
     );
 }
 
-/// Makes `docs/page.png`, the README's picture of the page: a few semaphores busy from
-/// several tasks, one pinned, one full with a line, two rate limiters. Run with
+/// Makes `docs/page.png`, the README's picture of the page: three processes (children of this
+/// test) keep a few semaphores busy, one pinned, one full with a line, and two rate limiters
+/// have spent. Run with
 /// `cargo test --all-features --test page -- --ignored --exact a_screenshot_for_the_docs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "writes docs/page.png"]
 async fn a_screenshot_for_the_docs() {
     let redis = Redis::start().await;
+    let mut children = Vec::new();
+    for role in [
+        "checkout-7f9c:4121",
+        "checkout-2b1d:3977",
+        "billing-5d2a:217",
+    ] {
+        let mut child = support::spawn_child(&redis, role);
+        assert_eq!(support::child_says(&mut child).await, "holding");
+        children.push(child);
+    }
     let backend = redis.backend().await;
-    let build = |name: &str, limit| {
-        Semaphore::builder(name)
-            .limit(limit)
-            .build(backend.clone())
-            .unwrap()
-    };
-    let llm = build("llm-api", 20);
-    let db = build("orders-db", 30);
-    let partner = build("partner-api", 3);
-    let acme = build("tenants:acme", 4);
+    let db = Semaphore::builder("orders-db")
+        .limit(30)
+        .build(backend.clone())
+        .unwrap();
     db.set_limit(12).await.unwrap();
-    let mut held = vec![
-        llm.acquire_many(8).await.unwrap(),
-        llm.acquire_many(2).await.unwrap(),
-        db.acquire_many(4).await.unwrap(),
-        partner.acquire_many(3).await.unwrap(),
-        acme.acquire().await.unwrap(),
-    ];
-    let waiters: Vec<_> = (0..2)
-        .map(|_| {
-            let partner = partner.clone();
-            tokio::spawn(async move { partner.acquire().await })
-        })
-        .collect();
-    // Requests come and go meanwhile, so the sparklines move.
-    let churn: Vec<_> = [(llm.clone(), 6), (db.clone(), 5), (acme.clone(), 2)]
-        .into_iter()
-        .map(|(sem, most)| {
-            tokio::spawn(async move {
-                for _ in 0..400 {
-                    let weight = fastrand::u32(1..=most);
-                    if let Ok(Some(permit)) = sem.try_acquire_many(weight).await {
-                        tokio::time::sleep(Duration::from_millis(fastrand::u64(5..40))).await;
-                        drop(permit);
-                    }
-                    tokio::time::sleep(Duration::from_millis(fastrand::u64(1..10))).await;
-                }
-            })
-        })
-        .collect();
     let rate = RateLimiter::builder("search")
         .rate(100, Duration::from_secs(60))
-        .build(redis.backend().await)
+        .build(backend)
         .unwrap();
     rate.check_n(60).await.unwrap();
     rate.check_key("acme", 25).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    held.push(llm.acquire_many(3).await.unwrap());
 
     let server = Server::start(&redis).await;
     let Some(chromium) = chromium() else {
@@ -302,11 +276,63 @@ async fn a_screenshot_for_the_docs() {
         .unwrap();
     let _ = std::fs::remove_dir_all(&profile);
     assert!(status.success());
-    for task in churn {
-        task.abort();
+    drop(children);
+}
+
+/// One process of [`a_screenshot_for_the_docs`], named by its role: takes its permits, says
+/// `holding`, and keeps requests coming and going (so the sparklines move) until killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run as a child process by a_screenshot_for_the_docs"]
+async fn child_process() {
+    let Some((role, url)) = support::child_role() else {
+        return;
+    };
+    let backend = tower_distributed_limit::RedisBackend::builder(url.as_str())
+        .process_name(role.as_str())
+        .connect()
+        .await
+        .unwrap();
+    let semaphore = |name: &str, limit| {
+        Semaphore::builder(name)
+            .limit(limit)
+            .build(backend.clone())
+            .unwrap()
+    };
+    // What it holds throughout, and where it comes and goes.
+    let (hold, churn): (&[(&str, u32, u32)], (&str, u32, u32)) = match role.as_str() {
+        "checkout-7f9c:4121" => (
+            &[("llm-api", 20, 8), ("llm-api", 20, 3)],
+            ("llm-api", 20, 6),
+        ),
+        "checkout-2b1d:3977" => (
+            &[
+                ("llm-api", 20, 2),
+                ("orders-db", 30, 4),
+                ("tenants:acme", 4, 1),
+            ],
+            ("orders-db", 30, 5),
+        ),
+        _ => (&[("partner-api", 3, 3)], ("tenants:acme", 4, 2)),
+    };
+    let mut held = Vec::new();
+    for &(name, limit, weight) in hold {
+        held.push(semaphore(name, limit).acquire_many(weight).await.unwrap());
     }
-    for waiter in waiters {
-        waiter.abort();
+    let mut waiters = Vec::new();
+    if role.starts_with("billing") {
+        for _ in 0..2 {
+            let partner = semaphore("partner-api", 3);
+            waiters.push(tokio::spawn(async move { partner.acquire().await }));
+        }
     }
-    drop(held);
+    println!("DLIMIT holding");
+    let (name, limit, most) = churn;
+    let sem = semaphore(name, limit);
+    loop {
+        if let Ok(Some(permit)) = sem.try_acquire_many(fastrand::u32(1..=most)).await {
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(5..40))).await;
+            drop(permit);
+        }
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(1..10))).await;
+    }
 }
