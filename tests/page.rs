@@ -279,6 +279,9 @@ async fn a_screenshot_for_the_docs() {
     drop(children);
 }
 
+/// A semaphore's name, its limit, and a weight taken from it.
+type Take = (&'static str, u32, u32);
+
 /// One process of [`a_screenshot_for_the_docs`], named by its role: takes its permits, says
 /// `holding`, and keeps requests coming and going (so the sparklines move) until killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -299,7 +302,7 @@ async fn child_process() {
             .unwrap()
     };
     // What it holds throughout, and where it comes and goes.
-    let (hold, churn): (&[(&str, u32, u32)], (&str, u32, u32)) = match role.as_str() {
+    let (hold, churn): (&[Take], Take) = match role.as_str() {
         "checkout-7f9c:4121" => (
             &[("llm-api", 20, 8), ("llm-api", 20, 3)],
             ("llm-api", 20, 6),
