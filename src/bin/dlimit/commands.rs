@@ -72,11 +72,14 @@ pub async fn show(fleet: &Fleet, name: &str, json: bool) -> Result<(), Failure> 
 pub async fn set_limit(fleet: &Fleet, name: &str, limit: u32, create: bool) -> Result<(), Failure> {
     let before = fleet.snapshot(name).await?;
     if before.is_none() && !create {
-        return Err(Failure::Refused(format!(
-            "{}; pinning a limit would create it. Check the name, or pass --create to pin a \
-             limit for a semaphore not in use yet",
-            unknown(fleet, name).await?
-        )));
+        return Err(Failure::Refused(
+            unknown(
+                fleet,
+                name,
+                ", so pinning a limit would create it: pass --create if that is meant",
+            )
+            .await?,
+        ));
     }
     fleet.semaphore(name)?.set_limit(limit).await?;
     let was = before.map_or(String::new(), |snap| {
@@ -155,16 +158,17 @@ pub async fn release(fleet: &Fleet, name: &str, id: &str, yes: bool) -> Result<(
 async fn known(fleet: &Fleet, name: &str) -> Result<Snapshot, Failure> {
     match fleet.snapshot(name).await? {
         Some(snap) => Ok(snap),
-        None => Err(Failure::Refused(unknown(fleet, name).await?)),
+        None => Err(Failure::Refused(unknown(fleet, name, "").await?)),
     }
 }
 
-/// Says that no semaphore `name` is in use, with the names it may have meant, or what to
-/// check when the prefix holds none at all.
-async fn unknown(fleet: &Fleet, name: &str) -> Result<String, Failure> {
+/// Says that no semaphore `name` is in use (and what acting on it would do: `consequence`),
+/// with the names it may have meant, or what to check when the prefix holds none at all.
+async fn unknown(fleet: &Fleet, name: &str, consequence: &str) -> Result<String, Failure> {
     let names = fleet.names().await?;
     let mut message = format!(
-        "no semaphore {} under the prefix {:?} (nobody uses it, and no limit is pinned for it)",
+        "no semaphore {} under the prefix {:?} (nobody uses it, and no limit is pinned for \
+         it){consequence}",
         terminal(name),
         fleet.prefix()
     );
