@@ -22,9 +22,13 @@ struct Server {
 
 impl Server {
     async fn start(redis: &Redis) -> Server {
+        Server::start_at(&redis.url).await
+    }
+
+    async fn start_at(url: &str) -> Server {
         let port = support::free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_dlimit"))
-            .args(["--url", &redis.url, "serve", "--listen"])
+            .args(["--url", url, "serve", "--listen"])
             .arg(format!("127.0.0.1:{port}"))
             .stdout(Stdio::null())
             .kill_on_drop(true)
@@ -219,6 +223,25 @@ async fn the_page_json_and_metrics_show_the_fleet_live() {
         dom.contains("data-semaphore=\"llm-api\" data-used=\"0\" data-limit=\"3\""),
         "{dom}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_it_serves_and_says_why_every_answer_is_503() {
+    let down = format!("redis://127.0.0.1:{}", support::free_port());
+    let server = Server::start_at(&down).await;
+    for path in [
+        "/",
+        "/live",
+        "/api/semaphores",
+        "/api/rate-limiters",
+        "/metrics",
+    ] {
+        let (status, body) = server.get(path).await;
+        assert_eq!(status, 503, "{path}: {body}");
+        assert!(body.contains("cannot read the keys at"), "{path}: {body}");
+    }
+    let (_, page) = server.get("/").await;
+    assert!(page.contains("Redis unreachable"), "{page}");
 }
 
 /// Makes `docs/page.png`, the README's picture of the page: three processes (children of this

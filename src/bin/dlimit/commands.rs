@@ -39,7 +39,7 @@ pub async fn list(fleet: &Fleet, json: bool) -> Result<(), Failure> {
             "{:<40} {:>8} {:>8} {:>8} {:>7}",
             terminal(name),
             snap.used,
-            limit(snap),
+            limit_text(snap),
             snap.waiting,
             if snap.pinned { "yes" } else { "no" }
         );
@@ -57,7 +57,7 @@ pub async fn show(fleet: &Fleet, name: &str, json: bool) -> Result<(), Failure> 
         "semaphore {}: {} of {} used, {} waiting; limit {}",
         terminal(name),
         snap.used,
-        limit(&snap),
+        limit_text(&snap),
         snap.waiting,
         if snap.pinned {
             "pinned by an operator (`dlimit unset-limit` undoes it)"
@@ -83,7 +83,7 @@ pub async fn set_limit(fleet: &Fleet, name: &str, limit: u32, create: bool) -> R
     }
     fleet.semaphore(name)?.set_limit(limit).await?;
     let was = before.map_or(String::new(), |snap| {
-        format!(" (was {})", self::limit(&snap))
+        format!(" (was {})", limit_text(&snap))
     });
     println!(
         "semaphore {}: limit pinned at {limit} for every process{was}; \
@@ -99,7 +99,7 @@ pub async fn unset_limit(fleet: &Fleet, name: &str) -> Result<(), Failure> {
         println!(
             "semaphore {}: its limit is not pinned; the configured limit ({}) is in force",
             terminal(name),
-            limit(&snap)
+            limit_text(&snap)
         );
         return Ok(());
     }
@@ -112,7 +112,7 @@ pub async fn unset_limit(fleet: &Fleet, name: &str) -> Result<(), Failure> {
     println!(
         "semaphore {}: limit unpinned (was {}); {now}",
         terminal(name),
-        limit(&snap)
+        limit_text(&snap)
     );
     Ok(())
 }
@@ -188,7 +188,7 @@ async fn unknown(fleet: &Fleet, name: &str, consequence: &str) -> Result<String,
     Ok(message)
 }
 
-fn limit(snap: &Snapshot) -> String {
+fn limit_text(snap: &Snapshot) -> String {
     fleet::limit(snap).map_or("-".into(), |limit| limit.to_string())
 }
 
