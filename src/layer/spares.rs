@@ -164,12 +164,15 @@ impl Pool {
         // The caller's own request is demand too, now and for the sweeper's next count.
         state.peak = state.peak.max(state.lent + 1);
         state.wanted = state.wanted.max(state.lent + 1).min(self.cap);
-        self.fill(&mut state);
-        if state.filling > 0 {
+        let fills = self.fill(&mut state);
+        let take = if state.filling > 0 {
             Take::Filling
         } else {
             Take::Empty
-        }
+        };
+        drop(state);
+        fills.start();
+        take
     }
 
     /// `permit`, taken at `taken`, lent to a request.
@@ -190,12 +193,15 @@ impl Pool {
         let mut state = lock(&self.state);
         state.lent = state.lent.saturating_sub(1);
         let kept = self.keep(&mut state, permit, taken);
-        if kept.is_some() {
-            // Replaced by a fresh one when demand is still there.
-            self.fill(&mut state);
-        }
+        // Replaced by a fresh one when demand is still there.
+        let fills = if kept.is_some() {
+            self.fill(&mut state)
+        } else {
+            Fills::default()
+        };
         drop(state);
         drop(kept); // released in the background, outside the lock
+        fills.start();
     }
 
     /// Keeps `permit` as a spare if it is wanted, fresh and sound; otherwise returns it.
@@ -210,14 +216,17 @@ impl Pool {
         None
     }
 
-    /// Starts the background acquires the wanted spares still lack.
-    fn fill(self: &Arc<Self>, state: &mut State) {
-        while state.spares() < state.wanted && self.spawn_fill(state, false) {}
+    /// Counts in the background acquires the wanted spares still lack, to start once the
+    /// lock is released.
+    fn fill(self: &Arc<Self>, state: &mut State) -> Fills {
+        let mut fills = Fills::default();
+        while state.spares() < state.wanted && self.add_fill(state, false, &mut fills) {}
+        fills
     }
 
-    /// One background `try_acquire`; `swap`: for a spare older than [`KEEP`]. False without
-    /// a runtime.
-    fn spawn_fill(self: &Arc<Self>, state: &mut State, swap: bool) -> bool {
+    /// One background `try_acquire`, counted now and started by `fills`; `swap`: for a spare
+    /// older than [`KEEP`]. False without a runtime.
+    fn add_fill(self: &Arc<Self>, state: &mut State, swap: bool, fills: &mut Fills) -> bool {
         let Ok(runtime) = Handle::try_current() else {
             return false;
         };
@@ -228,11 +237,7 @@ impl Pool {
             swap,
             settled: false,
         };
-        let semaphore = self.semaphore.clone();
-        runtime.spawn(async move {
-            let permit = semaphore.try_acquire().await.ok().flatten();
-            filling.settle(permit, Instant::now());
-        });
+        fills.0.push((runtime, self.semaphore.clone(), filling));
         true
     }
 
@@ -266,16 +271,17 @@ impl Pool {
             .iter()
             .filter(|spare| spare.taken.elapsed() >= KEEP)
             .count();
+        let mut fills = self.fill(&mut state);
         for _ in state.swaps..stale {
-            if !self.spawn_fill(&mut state, true) {
+            if !self.add_fill(&mut state, true, &mut fills) {
                 break;
             }
         }
-        self.fill(&mut state);
         state.sweeping = !state.ready.is_empty() || state.filling > 0;
         let more = state.sweeping;
         drop(state);
         drop(beyond);
+        fills.start();
         more
     }
 }
@@ -305,6 +311,23 @@ impl State {
         }
         self.swaps = self.swaps.saturating_sub(1);
         self.take_oldest(KEEP)
+    }
+}
+
+/// Background acquires counted under the pool's lock and started after it is released: a
+/// runtime shutting down drops a task spawned on it at once, and a [`Filling`]'s drop takes
+/// the lock.
+#[derive(Default)]
+struct Fills(Vec<(Handle, Semaphore, Filling)>);
+
+impl Fills {
+    fn start(self) {
+        for (runtime, semaphore, filling) in self.0 {
+            runtime.spawn(async move {
+                let permit = semaphore.try_acquire().await.ok().flatten();
+                filling.settle(permit, Instant::now());
+            });
+        }
     }
 }
 
@@ -353,13 +376,10 @@ impl Filling {
         };
         let mut state = lock(&pool.state);
         let stale = state.filled(self.swap);
-        let unwanted = match permit {
-            Some(permit) => pool.keep(&mut state, permit, taken),
-            None => {
-                wake_all(&mut state);
-                None
-            }
-        };
+        let unwanted = permit.and_then(|permit| pool.keep(&mut state, permit, taken));
+        // Kept or not (none came, or a degraded one during an outage), the services waiting
+        // for it go on: each to its own acquire.
+        wake_all(&mut state);
         drop(state);
         drop((stale, unwanted));
     }
@@ -419,7 +439,8 @@ impl Spares {
     /// held or on its way, so its first request need not be shed.
     pub(crate) fn warm(&self) {
         if let Some(pool) = &self.0 {
-            pool.fill(&mut lock(&pool.state));
+            let fills = pool.fill(&mut lock(&pool.state));
+            fills.start();
         }
     }
 

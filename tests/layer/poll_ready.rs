@@ -239,3 +239,65 @@ async fn load_shed_over_acquire_in_poll_ready_sheds_when_redis_is_full() {
         }
     }
 }
+
+/// A runtime shut down while requests hold lent, degraded permits finishes shutting down:
+/// each permit given back then asks for a background acquire, on a runtime that drops a task
+/// spawned on it at once (and a background acquire's drop takes the spares' lock, so none is
+/// spawned while it is held).
+#[test]
+fn a_runtime_shut_down_while_spares_are_lent_does_not_hang() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            // Redis is down and the policy admits: each permit is degraded, so a spare is
+            // never kept, and one given back is replaced by a background acquire.
+            let dead = format!("redis://127.0.0.1:{}", support::free_port());
+            let sem = Semaphore::builder("shutdown")
+                .limit(8)
+                .on_outage(tower_distributed_limit::OutagePolicy::FailOpen)
+                .build(tower_distributed_limit::RedisBackend::connect_lazy(dead.as_str()).unwrap())
+                .unwrap();
+            let (inner, mut starts) = stuck();
+            let svc = ServiceBuilder::new()
+                .layer(DistributedConcurrencyLimitLayer::new(sem).acquire_in_poll_ready())
+                .service(inner);
+            for _ in 0..3 {
+                tokio::spawn(svc.clone().oneshot(Request::new(())));
+                bounded("a call", starts.recv()).await.unwrap();
+            }
+        });
+        drop(runtime);
+        done.send(()).unwrap();
+    });
+    finished
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the runtime shut down within 10 s");
+}
+
+/// During a Redis outage under `FailOpen`, a layer reserving in `poll_ready` admits: its spares
+/// never keep a degraded permit, and a service waiting for one goes on to its own acquire
+/// (it was never woken, and no request ever started).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_admits_in_poll_ready_while_redis_is_down() {
+    let dead = format!("redis://127.0.0.1:{}", support::free_port());
+    let sem = Semaphore::builder("outage")
+        .limit(8)
+        .on_outage(tower_distributed_limit::OutagePolicy::FailOpen)
+        .build(tower_distributed_limit::RedisBackend::connect_lazy(dead.as_str()).unwrap())
+        .unwrap();
+    let (inner, mut starts) = stuck();
+    let svc = ServiceBuilder::new()
+        .layer(DistributedConcurrencyLimitLayer::new(sem).acquire_in_poll_ready())
+        .service(inner);
+    for _ in 0..3 {
+        tokio::spawn(svc.clone().oneshot(Request::new(())));
+        bounded("a call admitted under FailOpen", starts.recv())
+            .await
+            .unwrap();
+    }
+}
