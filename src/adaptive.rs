@@ -40,6 +40,15 @@ const TOLERANCE: f64 = 1.05;
 const DRIFT: f64 = 0.001;
 /// The multiplicative decrease on a window with an overloaded hold.
 const BACKOFF: f64 = 0.9;
+/// How often the no-load latency is measured again, with the limit lowered ([`Probe`]).
+pub(crate) const PROBE_EVERY: u64 = 10_000;
+/// The limit while probing, as a share of the limit before.
+const PROBE_SHARE: f64 = 0.5;
+/// Windows a probe lasts; the first (holds admitted before it) is not measured.
+const PROBE_WINDOWS: u32 = 3;
+/// How far one probe may raise the no-load latency (a probe that still saw queueing, the limit
+/// being over twice the capacity, must not pass it for the no-load).
+const PROBE_RAISE: f64 = 1.25;
 
 /// How a semaphore's limit adapts: the limit in force is found from the hold times of its
 /// permits across every process, within `min ..= max`, starting at `initial`. Pass it to
@@ -129,6 +138,19 @@ pub(crate) struct Gradient {
     /// The no-load latency (ms), once a window was seen.
     no_load: Option<f64>,
     window: Window,
+    /// When the next probe starts (ms on the store's clock), once a window was seen.
+    next_probe: Option<u64>,
+    probe: Option<Probe>,
+}
+
+/// A probe under way: the limit lowered to [`PROBE_SHARE`] of `saved` for [`PROBE_WINDOWS`]
+/// windows, so nothing queues downstream and the windows' latency is the no-load latency as
+/// it is now (a minimum seen once may have been luck, or the downstream got slower).
+#[derive(Debug, Clone)]
+struct Probe {
+    saved: f64,
+    windows: u32,
+    lowest: f64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -150,6 +172,8 @@ impl Gradient {
             limit: f64::from(bounds.initial),
             no_load: None,
             window: Window::default(),
+            next_probe: None,
+            probe: None,
         }
     }
 
@@ -179,13 +203,27 @@ impl Gradient {
             && window.samples >= MIN_SAMPLES
         {
             let window = std::mem::take(&mut self.window);
-            self.close(&window);
+            self.close(&window, now_ms);
         }
         self.limit()
     }
 
-    fn close(&mut self, window: &Window) {
+    fn close(&mut self, window: &Window, now_ms: u64) {
         let latency = (window.total / f64::from(window.samples)).max(0.001);
+        if let Some(probe) = &mut self.probe {
+            probe.windows += 1;
+            if probe.windows > 1 {
+                probe.lowest = probe.lowest.min(latency);
+            }
+            if probe.windows >= PROBE_WINDOWS {
+                let before = self.no_load.unwrap_or(probe.lowest);
+                self.no_load = Some(probe.lowest.min(before * PROBE_RAISE));
+                self.limit = probe.saved;
+                self.probe = None;
+                self.next_probe = Some(now_ms + PROBE_EVERY);
+            }
+            return;
+        }
         let no_load = match self.no_load {
             Some(no_load) if latency > no_load => no_load + (latency - no_load) * DRIFT,
             _ => latency,
@@ -212,6 +250,17 @@ impl Gradient {
         };
         let next = limit * (1.0 - SMOOTHING) + target * SMOOTHING;
         self.limit = next.clamp(f64::from(self.bounds.min), f64::from(self.bounds.max));
+        let probe_at = *self.next_probe.get_or_insert(now_ms + PROBE_EVERY);
+        // Only a busy limit is probed: under half of it in flight, nothing queues, and the
+        // windows measure the no-load latency as they are.
+        if now_ms >= probe_at && f64::from(window.peak) >= limit / 2.0 {
+            self.probe = Some(Probe {
+                saved: self.limit,
+                windows: 0,
+                lowest: f64::INFINITY,
+            });
+            self.limit = (self.limit * PROBE_SHARE).max(f64::from(self.bounds.min));
+        }
     }
 }
 
@@ -250,6 +299,45 @@ mod tests {
         );
         let found = run(&mut g, &mut now, 100, downstream(40));
         assert!((40..=48).contains(&found), "{found} back at 40");
+    }
+
+    /// A no-load latency learnt too low (one lucky window) holds the limit under the capacity
+    /// only until the probes have measured it again.
+    #[test]
+    fn a_no_load_learnt_too_low_is_measured_again() {
+        let mut g = Gradient::new(AdaptiveLimit::new().initial(40).min(2).max(500));
+        let mut now = 0;
+        run(&mut g, &mut now, 1, |_| 6.0);
+        let sunk = run(&mut g, &mut now, 50, downstream(40));
+        assert!(
+            sunk < 30,
+            "{sunk}: under the capacity while the no-load is wrong"
+        );
+        run(&mut g, &mut now, 400, downstream(40));
+        while g.probe.is_some() {
+            run(&mut g, &mut now, 1, downstream(40));
+        }
+        let found = g.limit();
+        assert!(
+            (38..=48).contains(&found),
+            "{found} for a capacity of 40, probed"
+        );
+    }
+
+    /// A probe lowers the limit to half for three windows, every 10 s, then puts it back.
+    #[test]
+    fn a_probe_halves_the_limit_for_three_windows() {
+        let mut g = Gradient::new(AdaptiveLimit::new().initial(40).min(2).max(500));
+        let mut now = 0;
+        let windows = (PROBE_EVERY / WINDOW.as_millis() as u64) as u32;
+        let before = run(&mut g, &mut now, windows, downstream(40));
+        let mut seen = Vec::new();
+        for _ in 0..5 {
+            seen.push(run(&mut g, &mut now, 1, downstream(40)));
+        }
+        let probing = seen.iter().filter(|&&l| l <= before / 2 + 1).count();
+        assert_eq!(probing, 3, "{before} then {seen:?}");
+        assert!(seen[4] >= before - 2, "{before} then {seen:?}: put back");
     }
 
     #[test]

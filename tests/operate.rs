@@ -159,6 +159,7 @@ async fn holders_show_the_name_their_process_was_given() {
         .await
         .unwrap();
     let sem = names(backend);
+    sem.set_limit(1).await.unwrap(); // a first call that grants nothing tells the name too
     let held = sem.acquire().await.unwrap();
     let snap = sem.snapshot().await.unwrap();
     let expected = format!("web-1 (eu) {}", "é".repeat(26)); // 11 + 52 bytes: whole chars
@@ -228,6 +229,9 @@ async fn a_limit_pinned_before_first_use_unpins_to_the_configured_one() {
         .acquire_timeout(Duration::from_millis(200))
         .build(redis.backend().await)
         .unwrap();
+    // Pinned above its own limit of 2, once it has heard so, it may take 5 at once.
+    drop(sem.acquire().await.unwrap());
+    drop(sem.acquire_many(5).await.unwrap());
     let held: Vec<_> = futures_util::future::join_all((0..3).map(|_| sem.acquire())).await;
     assert!(held.iter().all(Result::is_ok), "pinned at 5: 3 fit");
     operator.unset_limit().await.unwrap();

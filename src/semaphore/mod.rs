@@ -345,7 +345,8 @@ impl Semaphore {
         }
     }
 
-    /// A weight above the limit set for every process (below this one's configured limit).
+    /// A weight above the limit in force for every process (set, or adapted, below the one this
+    /// process knows of).
     fn too_heavy(&self, weight: u32, limit: u32) -> Error {
         Error::config(format!(
             "cannot take {weight} permits of semaphore {:?}: the limit every process admits by \
@@ -510,12 +511,18 @@ impl Semaphore {
         Ok(self.inner.settings.limit.saturating_sub(used))
     }
 
+    /// A weight of 0, or above any limit this process knows may be in force (its own, an
+    /// adaptive one's bound, the one in force as last heard: a pinned one may be higher), is
+    /// refused here; the backend refuses one above the limit in force now.
     fn check_weight(&self, weight: u32) -> Result<(), Error> {
         let settings = &self.inner.settings;
-        if weight == 0 || weight > settings.limit {
+        let most = (settings.limit)
+            .max(settings.adaptive.map_or(0, |adaptive| adaptive.max))
+            .max(self.inner.origin.store.limit_in_force().unwrap_or(0));
+        if weight == 0 || weight > most {
             return Err(Error::config(format!(
-                "cannot take {weight} permits of semaphore {:?}: the weight must be 1 ..= its limit {}",
-                settings.name, settings.limit
+                "cannot take {weight} permits of semaphore {:?}: the weight must be 1 ..= its limit {most}",
+                settings.name
             )));
         }
         Ok(())

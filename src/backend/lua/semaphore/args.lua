@@ -17,7 +17,8 @@
 --                  process is silent (frozen or dead), and its other waiters are passed over
 --                  until it makes a call; `adaptive` = "<min>/<max>" when the limit adapts
 --                  (set with the state by the process that creates it), and its state in
---                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over` (adapt.lua);
+--                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over`, and
+--                  the probe's `a:pat`, `a:psave`, `a:pn`, `a:plow` (adapt.lua);
 --                  `unpinned` = while pinned, the limit to return to when unpinned (the one
 --                  in force before, else the first configured limit a process calls with)
 -- KEYS[3] queue:   zset, member -> arrival (µs, strictly increasing): who waits, oldest first

@@ -154,7 +154,10 @@ if changed then
     end
     if horizon ~= tonumber(stored[4]) then
       redis.call('PEXPIREAT', since, int(horizon))
-      redis.call('PEXPIREAT', procs, int(horizon))
+      if horizon > now then
+        -- (Not to a horizon passed: a name told by this call stays its claim window.)
+        redis.call('PEXPIREAT', procs, int(horizon))
+      end
       if not pinned then
         redis.call('PEXPIREAT', meta, int(horizon))
       end
