@@ -253,24 +253,9 @@ fn a_runtime_shut_down_while_spares_are_lent_does_not_hang() {
             .enable_all()
             .build()
             .unwrap();
-        runtime.block_on(async {
-            // Redis is down and the policy admits: each permit is degraded, so a spare is
-            // never kept, and one given back is replaced by a background acquire.
-            let dead = format!("redis://127.0.0.1:{}", support::free_port());
-            let sem = Semaphore::builder("shutdown")
-                .limit(8)
-                .on_outage(tower_distributed_limit::OutagePolicy::FailOpen)
-                .build(tower_distributed_limit::RedisBackend::connect_lazy(dead.as_str()).unwrap())
-                .unwrap();
-            let (inner, mut starts) = stuck();
-            let svc = ServiceBuilder::new()
-                .layer(DistributedConcurrencyLimitLayer::new(sem).acquire_in_poll_ready())
-                .service(inner);
-            for _ in 0..3 {
-                tokio::spawn(svc.clone().oneshot(Request::new(())));
-                bounded("a call", starts.recv()).await.unwrap();
-            }
-        });
+        // Redis is down and the policy admits: each permit is degraded, so a spare is never
+        // kept, and one given back is replaced by a background acquire.
+        runtime.block_on(three_calls_under_fail_open_while_redis_is_down());
         drop(runtime);
         done.send(()).unwrap();
     });
@@ -284,6 +269,12 @@ fn a_runtime_shut_down_while_spares_are_lent_does_not_hang() {
 /// (it was never woken, and no request ever started).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_open_admits_in_poll_ready_while_redis_is_down() {
+    three_calls_under_fail_open_while_redis_is_down().await;
+}
+
+/// Three calls through a layer reserving in `poll_ready`, on a semaphore whose Redis is down
+/// under `FailOpen`, each started (and stuck) before the next.
+async fn three_calls_under_fail_open_while_redis_is_down() {
     let dead = format!("redis://127.0.0.1:{}", support::free_port());
     let sem = Semaphore::builder("outage")
         .limit(8)
