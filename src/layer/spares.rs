@@ -220,9 +220,12 @@ impl Pool {
         fills.start();
     }
 
-    /// Keeps `permit` as a spare if it is wanted, fresh and sound; otherwise returns it.
+    /// Keeps `permit` as a spare if it is wanted, fresh and sound; otherwise returns it. Only
+    /// the spares ready count: a permit back while a background acquire is still on its way
+    /// stays (that one is given back when it comes, if not wanted then), or a request arriving
+    /// meanwhile would find none ready and be shed.
     fn keep(self: &Arc<Self>, state: &mut State, permit: Permit, taken: Instant) -> Option<Permit> {
-        let wanted = state.spares() < state.wanted;
+        let wanted = state.ready.len() < state.wanted;
         let sound = !permit.is_lost() && !permit.is_degraded();
         if !(wanted && sound && self.sweep(state)) {
             return Some(permit);
