@@ -57,7 +57,7 @@ pub struct AcquirePermit {
     acquire: Acquire,
     /// The picked semaphore's limit, for the refusal's `RateLimit-Policy`.
     limit: Option<u32>,
-    /// The rate limit decided with the permit (`rate_limit`), for a rate refusal's headers.
+    /// The rate limit decided with the permit (`rate_limit`), for the `RateLimit` headers.
     rate: Option<RateLimiter>,
 }
 
@@ -81,14 +81,20 @@ impl Gate for AcquirePermit {
     type Pass = Held;
 
     fn poll_gate(&mut self, cx: &mut Context<'_>) -> Poll<Result<Held, Refused>> {
-        Pin::new(&mut self.acquire).poll(cx).map_err(|error| {
-            let policy = match (&error, &self.rate) {
-                (Error::RateLimited { retry_after }, Some(limiter)) => {
-                    Policy::Rate(limiter.clone(), RateDecision::refused(*retry_after))
-                }
-                _ => self.limit.map_or(Policy::None, Policy::Concurrency),
-            };
-            Refused { error, policy }
+        let held = std::task::ready!(Pin::new(&mut self.acquire).poll(cx));
+        Poll::Ready(match (held, &self.rate) {
+            // Its answer carries the headers of the rate decided with it.
+            (Ok(held), Some(limiter)) => Ok(held.rated_by(limiter.clone())),
+            (Ok(held), None) => Ok(held),
+            (Err(error), rate) => {
+                let policy = match (&error, rate) {
+                    (Error::RateLimited { retry_after }, Some(limiter)) => {
+                        Policy::Rate(limiter.clone(), RateDecision::refused(*retry_after))
+                    }
+                    _ => self.limit.map_or(Policy::None, Policy::Concurrency),
+                };
+                Err(Refused { error, policy })
+            }
         })
     }
 }

@@ -40,7 +40,7 @@ pub(crate) const ANY_ERROR: Overloaded = |_| true;
 /// For a pass that has nothing to signal (a rate decision is spent either way).
 pub(crate) const NO_SIGNAL: Overloaded = |_| false;
 
-type Pending = Pin<Box<dyn Future<Output = Result<Held, Error>> + Send>>;
+type Pending = Pin<Box<dyn Future<Output = Result<Permit, Error>> + Send>>;
 
 /// The permit of one request: taken already (reserved in `poll_ready`, or refused before any
 /// wait), or still to take.
@@ -59,14 +59,9 @@ impl Acquire {
     ) -> Self {
         Acquire::Later(Box::pin(async move {
             match rate {
-                None if wait => semaphore.acquire_many(weight).await.map(Held::from),
-                None => (semaphore.try_acquire_many(weight).await?)
-                    .map(Held::from)
-                    .ok_or(Error::Full),
-                Some(rate) => {
-                    let permit = with_rate(&semaphore, weight, wait, &rate).await?;
-                    Ok(Held::from(permit).rated_by(rate))
-                }
+                None if wait => semaphore.acquire_many(weight).await,
+                None => semaphore.try_acquire_many(weight).await?.ok_or(Error::Full),
+                Some(rate) => with_rate(&semaphore, weight, wait, &rate).await,
             }
         }))
     }
@@ -111,7 +106,7 @@ impl Future for Acquire {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut *self {
-            Acquire::Later(pending) => pending.as_mut().poll(cx),
+            Acquire::Later(pending) => pending.as_mut().poll(cx).map_ok(Held::from),
             Acquire::Now(done) => Poll::Ready(done.take().unwrap_or_else(|| {
                 Err(Error::config(
                     "a permit was asked for twice; this is a bug in tower-distributed-limit",
