@@ -61,6 +61,7 @@
 mod adaptive;
 mod ask;
 mod backend;
+mod class;
 mod error;
 mod keeper;
 pub mod layer;
@@ -81,6 +82,7 @@ pub use backend::{
     Backend, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend, RedisBackendBuilder,
 };
 pub use backend::{RateBackend, RateDecision};
+pub use class::{Priority, Share};
 pub use error::{BackendError, Error};
 pub use layer::{
     DistributedConcurrencyLimitLayer, FencingToken, HttpConcurrencyLimitLayer, Partitions,

@@ -80,11 +80,11 @@ pub(crate) struct Claim {
 }
 
 impl Claim {
-    /// A fresh member of `weight` with the semaphore's lease.
-    pub(crate) fn new(origin: &Arc<Origin>, weight: u32, lease: Duration) -> Self {
+    /// A fresh member asking `ask`, with the semaphore's lease.
+    pub(crate) fn new(origin: &Arc<Origin>, ask: &crate::Ask, lease: Duration) -> Self {
         Claim {
             origin: origin.clone(),
-            member: Member::new(weight, lease),
+            member: Member::asking(ask, lease),
             armed: true,
             granted: None,
             rate: None,

@@ -53,4 +53,6 @@ pub struct Holder {
     /// its name since Redis lost it (it tells again with its first call on a new connection,
     /// else within 30 s).
     pub process: String,
+    /// Its class ([`Priority::NORMAL`](crate::Priority::NORMAL) unless it asked for another).
+    pub class: crate::Priority,
 }

@@ -16,10 +16,11 @@ use super::store::{
     Attempt, Ending, Member, Mode, Opened, Store, default_process_name, sealed::Open,
 };
 use crate::adaptive::Gradient;
+use crate::class::{Classes, Room};
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Hub, KEEPALIVE, Refresh, Status, Until, Waitlist};
-use crate::{AdaptiveLimit, Error};
+use crate::{AdaptiveLimit, Error, Priority};
 
 /// An in-process backend with the same semantics as [`RedisBackend`](crate::RedisBackend):
 /// leases expire, weights add up, fencing tokens strictly increase, waiters are served in
@@ -113,10 +114,25 @@ struct Permits {
     /// reset what was learnt.
     gradient: Option<Gradient>,
     keep_until: Instant,
-    /// The line, by arrival; `queued` finds a member in it without a scan.
-    queue: BTreeMap<u64, Member>,
-    queued: HashMap<Arc<str>, u64>,
+    /// What each class reserves and may hold (the first semaphore's), and holds now.
+    classes: Classes,
+    held: [u32; 8],
+    /// The line, by class (highest first) then arrival; `queued` finds a member in it without
+    /// a scan.
+    queue: BTreeMap<Place, Member>,
+    queued: HashMap<Arc<str>, Place>,
     arrivals: u64,
+    /// After the last settlement, the highest class whose head waits for the pool (a lower
+    /// class is admitted only inside its reservation while it waits).
+    blocked: Option<u8>,
+}
+
+/// A place in line: the class's rank (0 for the highest level), then the arrival.
+type Place = (u8, u64);
+
+/// The rank of `priority` in line: higher classes first.
+fn rank(priority: Priority) -> u8 {
+    Priority::MAX - priority.level()
 }
 
 struct Holding {
@@ -124,6 +140,7 @@ struct Holding {
     weight: u32,
     lease: Duration,
     granted: Instant,
+    priority: Priority,
 }
 
 /// A grant made while the lock was held, announced once it is released: member, token and
@@ -131,7 +148,7 @@ struct Holding {
 type Grant = (Arc<str>, u64, Instant);
 
 impl Permits {
-    fn new(limit: u32, adaptive: Option<AdaptiveLimit>) -> Self {
+    fn new(limit: u32, adaptive: Option<AdaptiveLimit>, classes: Classes) -> Self {
         Permits {
             holders: HashMap::new(),
             used: 0,
@@ -140,10 +157,46 @@ impl Permits {
             unpinned: limit,
             gradient: adaptive.map(Gradient::new),
             keep_until: Instant::now(),
+            classes,
+            held: [0; 8],
             queue: BTreeMap::new(),
             queued: HashMap::new(),
             arrivals: 0,
+            blocked: None,
         }
+    }
+
+    fn level(priority: Priority) -> usize {
+        usize::from(priority.level())
+    }
+
+    fn room(&self, member: &Member) -> Room {
+        let (priority, weight) = (member.priority, member.weight);
+        (self.classes).room(priority, weight, self.used, &self.held, self.limit)
+    }
+
+    /// Whether `member` is admitted now, if it waited with nobody of its class ahead of it.
+    fn admits(&self, member: &Member) -> bool {
+        let behind_blocked = self
+            .blocked
+            .is_some_and(|ranked| ranked < rank(member.priority));
+        self.room(member) == Room::Fits
+            && (!behind_blocked
+                || (self.classes).within_reservation(member.priority, member.weight, &self.held))
+    }
+
+    /// Whether anyone of `priority`'s class waits.
+    fn waits_in(&self, priority: Priority) -> bool {
+        let ranked = rank(priority);
+        self.queue
+            .range((ranked, 0)..=(ranked, u64::MAX))
+            .next()
+            .is_some()
+    }
+
+    fn unhold(&mut self, holding: &Holding) {
+        self.used -= holding.weight;
+        self.held[Self::level(holding.priority)] -= holding.weight;
     }
 
     fn hold(&mut self, member: &Member, now: Instant, fence: &mut u64) -> u64 {
@@ -152,40 +205,56 @@ impl Permits {
             weight: member.weight,
             lease: member.lease,
             granted: now,
+            priority: member.priority,
         };
         self.holders.insert(member.text.clone(), holding);
         self.used += member.weight;
+        self.held[Self::level(member.priority)] += member.weight;
         self.keep_until = self.keep_until.max(now + member.lease + member.lease / 2);
         *fence += 1;
         *fence
     }
 
-    /// Drops expired holders, then admits waiters in order while the oldest fits.
+    /// Drops expired holders, then admits waiters: each class in turn, highest first, in
+    /// arrival order while its oldest fits. A class whose oldest waits for the pool holds the
+    /// lower classes to their reservations; one at its cap holds up nobody else.
     fn settle(&mut self, now: Instant, fence: &mut u64, grants: &mut Vec<Grant>) {
-        let mut freed = 0;
-        self.holders.retain(|_, holding| {
-            let live = holding.deadline > now;
-            if !live {
-                freed += holding.weight;
+        let expired: Vec<Arc<str>> = (self.holders.iter())
+            .filter(|(_, holding)| holding.deadline <= now)
+            .map(|(member, _)| member.clone())
+            .collect();
+        for member in expired {
+            if let Some(holding) = self.holders.remove(&member) {
+                self.unhold(&holding);
             }
-            live
-        });
-        self.used -= freed;
-        while let Some(head) = self.queue.first_entry() {
-            if head.get().weight > self.limit {
-                // Heavier than the limit now in force: it would block the line for ever.
-                // Dropped, it learns at its next refresh and is refused.
-                let member = head.remove();
+        }
+        self.blocked = None;
+        let mut from: Place = (0, 0);
+        while let Some((&(ranked, _), _)) = self.queue.range(from..).next() {
+            while let Some(head) = self.queue.range((ranked, 0)..=(ranked, u64::MAX)).next() {
+                let (&place, member) = head;
+                if member.weight > self.classes.most(member.priority, self.limit) {
+                    // Heavier than its class may ever hold under the limit now in force: it
+                    // would block the line for ever. Dropped, it learns at its next refresh
+                    // and is refused.
+                    let member = self.queue.remove(&place).map(|member| member.text);
+                    member.map(|member| self.queued.remove(&member));
+                    continue;
+                }
+                if !self.admits(member) {
+                    if self.room(member) != Room::Capped {
+                        self.blocked = self.blocked.or(Some(ranked));
+                    }
+                    break;
+                }
+                let Some(member) = self.queue.remove(&place) else {
+                    break;
+                };
                 self.queued.remove(&member.text);
-                continue;
+                let token = self.hold(&member, now, fence);
+                grants.push((member.text, token, now + member.lease));
             }
-            if u64::from(self.used) + u64::from(head.get().weight) > u64::from(self.limit) {
-                break;
-            }
-            let member = head.remove();
-            self.queued.remove(&member.text);
-            let token = self.hold(&member, now, fence);
-            grants.push((member.text, token, now + member.lease));
+            from = (ranked + 1, 0);
         }
     }
 
@@ -242,6 +311,7 @@ impl Open for MemoryBackend {
         name: &str,
         limit: u32,
         adaptive: Option<AdaptiveLimit>,
+        classes: &Classes,
         _claim: Duration,
     ) -> Opened {
         let waitlist = self.shared.hub.waitlist(name);
@@ -251,6 +321,7 @@ impl Open for MemoryBackend {
                 name: name.into(),
                 limit,
                 adaptive,
+                classes: *classes,
                 in_force: AtomicU32::new(limit),
                 waitlist: waitlist.clone(),
             }),
@@ -264,6 +335,7 @@ struct MemorySemaphore {
     name: Arc<str>,
     limit: u32,
     adaptive: Option<AdaptiveLimit>,
+    classes: Classes,
     /// The limit in force after this semaphore's last call (for `limit_in_force`, without
     /// taking the backend's lock).
     in_force: AtomicU32,
@@ -292,7 +364,7 @@ impl MemorySemaphore {
             }
             let permits = semaphores
                 .entry(self.name.clone())
-                .or_insert_with(|| Permits::new(self.limit, self.adaptive));
+                .or_insert_with(|| Permits::new(self.limit, self.adaptive, self.classes));
             permits.settle(now, fence, &mut grants);
             let result = op(permits, now, fence);
             permits.settle(now, fence, &mut grants);
@@ -330,14 +402,11 @@ impl Store for MemorySemaphore {
                     rate: None,
                 };
             }
-            if member.weight > permits.limit {
-                return Attempt::TooHeavy {
-                    limit: permits.limit,
-                };
+            let most = permits.classes.most(member.priority, permits.limit);
+            if member.weight > most {
+                return Attempt::TooHeavy { limit: most };
             }
-            let fits =
-                u64::from(permits.used) + u64::from(member.weight) <= u64::from(permits.limit);
-            if permits.queue.is_empty() && fits {
+            if !permits.waits_in(member.priority) && permits.admits(member) {
                 let token = permits.hold(member, now, fence);
                 return Attempt::Granted {
                     token,
@@ -351,8 +420,9 @@ impl Store for MemorySemaphore {
             if !permits.queued.contains_key(&member.text) {
                 let arrival = permits.arrivals;
                 permits.arrivals += 1;
-                permits.queued.insert(member.text.clone(), arrival);
-                permits.queue.insert(arrival, member.clone());
+                let place = (rank(member.priority), arrival);
+                permits.queued.insert(member.text.clone(), place);
+                permits.queue.insert(place, member.clone());
             }
             Attempt::Queued {
                 retry_in: permits.retry_in(now, member.lease),
@@ -389,9 +459,9 @@ impl Store for MemorySemaphore {
                         ending.overloaded,
                     );
                 }
-                permits.used -= holding.weight;
-            } else if let Some(arrival) = permits.queued.remove(&member.text) {
-                permits.queue.remove(&arrival);
+                permits.unhold(&holding);
+            } else if let Some(place) = permits.queued.remove(&member.text) {
+                permits.queue.remove(&place);
             }
         });
     }
@@ -430,6 +500,7 @@ impl Store for MemorySemaphore {
                         held_for: now.saturating_duration_since(holding.granted),
                         lease_remaining: holding.deadline.saturating_duration_since(now),
                         process: process_name().to_owned(),
+                        class: holding.priority,
                     };
                     (holding.granted, holder)
                 })
@@ -455,7 +526,7 @@ impl Store for MemorySemaphore {
                 .cloned();
             let holding = member.and_then(|member| permits.holders.remove(&member));
             if let Some(holding) = &holding {
-                permits.used -= holding.weight;
+                permits.unhold(holding);
             }
             holding.is_some()
         });

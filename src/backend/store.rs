@@ -9,27 +9,34 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::Error;
 use crate::backend::gcra::{RateDecision, RateKey, Rated};
 use crate::snapshot::Snapshot;
 use crate::sync::BoxFuture;
 use crate::waitlist::{ClockReading, Refresh, Waitlist};
+use crate::{Error, Priority};
 
 pub(crate) mod sealed {
     /// Opens the permits of one semaphore name with its limit (adapting within `adaptive`'s
-    /// bounds when given); `claim` is how long a grant to a waiter stays provisional before
-    /// its process must claim it (a backend that announces grants to other processes uses it).
+    /// bounds when given) and its classes' shares; `claim` is how long a grant to a waiter
+    /// stays provisional before its process must claim it (a backend that announces grants to
+    /// other processes uses it).
     pub trait Open {
         fn open(
             &self,
             name: &str,
             limit: u32,
             adaptive: Option<crate::AdaptiveLimit>,
+            classes: &crate::class::Classes,
             claim: std::time::Duration,
         ) -> super::Opened;
 
         /// Why this backend cannot adapt a limit, if it cannot.
         fn cannot_adapt(&self) -> Option<&'static str> {
+            None
+        }
+
+        /// Why this backend cannot give classes shares of the limit, if it cannot.
+        fn cannot_share(&self) -> Option<&'static str> {
             None
         }
     }
@@ -43,13 +50,15 @@ pub struct Opened {
     pub(crate) waitlist: Arc<Waitlist>,
 }
 
-/// One acquisition's identity in a backend: `"<random id>:<weight>:<lease ms>"`, so any process
-/// that admits it from the line knows its weight and lease. Equal when the text is.
+/// One acquisition's identity in a backend: `"<random id>:<weight>:<lease ms>"`, with
+/// `:c<level>` after the id for a class other than [`Priority::NORMAL`], so any process that
+/// admits it from the line knows its class, weight and lease. Equal when the text is.
 #[derive(Clone, Debug)]
 pub(crate) struct Member {
     pub(crate) text: Arc<str>,
     pub(crate) weight: u32,
     pub(crate) lease: Duration,
+    pub(crate) priority: Priority,
 }
 
 /// The random id's length: 128 bits in hex.
@@ -91,8 +100,15 @@ pub(crate) fn bounded_name(mut name: String) -> String {
 }
 
 impl Member {
-    /// A fresh holder id, never reused: this process's tag, then 96 random bits.
+    /// A fresh holder of `weight` in [`Priority::NORMAL`].
+    #[cfg(test)]
     pub(crate) fn new(weight: u32, lease: Duration) -> Self {
+        Self::asking(&crate::Ask::new().weight(weight), lease)
+    }
+
+    /// A fresh holder id, never reused (this process's tag, then 96 random bits), for `ask`.
+    pub(crate) fn asking(ask: &crate::Ask, lease: Duration) -> Self {
+        let (weight, priority) = (ask.permits(), ask.class());
         use std::fmt::Write;
         const HEX: &[u8; 16] = b"0123456789abcdef";
         // By hand: `{:032x}` of a u128 is a measurable share of an in-process acquire.
@@ -105,11 +121,29 @@ impl Member {
                 .map(|digit| HEX[(id >> (4 * digit)) as usize & 0xf] as char),
         );
         // Writing to a String cannot fail.
+        if priority != Priority::NORMAL {
+            let _ = write!(text, ":c{}", priority.level());
+        }
         let _ = write!(text, ":{weight}:{}", lease.as_millis());
         Member {
             text: text.into(),
             weight,
             lease,
+            priority,
+        }
+    }
+
+    /// A member's text read back (from a backend's snapshot): its id, class and weight.
+    pub(crate) fn read(text: &str) -> Option<(&str, Priority, u32)> {
+        let mut parts = text.rsplit(':');
+        let _lease = parts.next()?;
+        let weight = parts.next()?.parse().ok()?;
+        let id_or_class = parts.next()?;
+        match id_or_class.strip_prefix('c') {
+            Some(level) if parts.clone().next().is_some() => {
+                Some((parts.next()?, Priority::new(level.parse().ok()?), weight))
+            }
+            _ => Some((id_or_class, Priority::NORMAL, weight)),
         }
     }
 
@@ -268,5 +302,18 @@ mod tests {
         assert_eq!(member.id(), id);
         assert_eq!(id[..TAG_LEN], format!("{:08x}", process_tag()));
         assert_ne!(Member::new(3, Duration::from_millis(1500)), member);
+        let batch = crate::Ask::new().weight(2).priority(Priority::BATCH);
+        let member = Member::asking(&batch, Duration::from_millis(900));
+        assert_eq!(&member.text[ID_LEN..], ":c2:2:900");
+        assert_eq!(
+            Member::read(&member.text),
+            Some((member.id(), Priority::BATCH, 2))
+        );
+        let plain = Member::new(3, Duration::from_millis(9));
+        assert_eq!(
+            Member::read(&plain.text),
+            Some((plain.id(), Priority::NORMAL, 3))
+        );
+        assert_eq!(Member::read("junk"), None);
     }
 }

@@ -1,7 +1,7 @@
 //! The per-request decision, named once: which semaphore a request counts against and what it
 //! asks of it ([`Admit`]), with the pieces the layer's builder methods put together.
 
-use crate::{Ask, Error, Semaphore};
+use crate::{Ask, Error, Priority, Semaphore};
 
 /// For one request: the semaphore it counts against and what it asks of it. The layer's
 /// second type parameter; [`DistributedConcurrencyLimitLayer::new`](super::DistributedConcurrencyLimitLayer::new)
@@ -137,6 +137,44 @@ where
     }
 }
 
+/// An admission whose requests are of the class `P` says; made by
+/// [`priority_by`](super::DistributedConcurrencyLimitLayer::priority_by).
+///
+/// ```
+/// use tower_distributed_limit::{MemoryBackend, Priority, Semaphore};
+/// use tower_distributed_limit::layer::{Admit, Prioritized};
+///
+/// let gpu = Semaphore::builder("gpu").limit(20).build(MemoryBackend::new()).unwrap();
+/// let by_path = Prioritized::new(gpu, |path: &&str| {
+///     if path.starts_with("/batch") { Priority::BATCH } else { Priority::CRITICAL }
+/// });
+/// assert_eq!(by_path.admit(&"/batch/42").unwrap().1.class(), Priority::BATCH);
+/// assert_eq!(by_path.admit(&"/chat").unwrap().1.class(), Priority::CRITICAL);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Prioritized<A, P> {
+    admit: A,
+    priority: P,
+}
+
+impl<A, P> Prioritized<A, P> {
+    /// `admit`'s decisions, in the class `priority` gives each request.
+    pub fn new(admit: A, priority: P) -> Self {
+        Prioritized { admit, priority }
+    }
+}
+
+impl<R, A, P> Admit<R> for Prioritized<A, P>
+where
+    A: Admit<R>,
+    P: Fn(&R) -> Priority,
+{
+    fn admit(&self, request: &R) -> Result<(Semaphore, Ask), Error> {
+        let (semaphore, ask) = self.admit.admit(request)?;
+        Ok((semaphore, ask.priority((self.priority)(request))))
+    }
+}
+
 /// One permit of this semaphore per request, reserved in `poll_ready`; made by
 /// [`acquire_in_poll_ready`](super::DistributedConcurrencyLimitLayer::acquire_in_poll_ready).
 /// As a type it keeps [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) away:
@@ -166,12 +204,14 @@ pub trait Weighable: sealed::Sealed {}
 
 impl Weighable for Semaphore {}
 impl<A, W> Weighable for Weighted<A, W> {}
+impl<A, P> Weighable for Prioritized<A, P> {}
 
 pub(super) mod sealed {
     /// Only this crate's admissions are [`Weighable`](super::Weighable).
     pub trait Sealed {}
     impl Sealed for crate::Semaphore {}
     impl<A, W> Sealed for super::Weighted<A, W> {}
+    impl<A, P> Sealed for super::Prioritized<A, P> {}
 }
 
 #[cfg(test)]

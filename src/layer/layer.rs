@@ -7,13 +7,13 @@ use bytes::Bytes;
 use http::StatusCode;
 use tower::{BoxError, Layer};
 
-use super::admit::{InPollReady, Weighable, Weighted};
+use super::admit::{InPollReady, Prioritized, Weighable, Weighted};
 use super::flavour::{Http, Plain};
 use super::limiter::{ANY_ERROR, Limiter};
 use super::partitions::Partitions;
 use super::service::DistributedConcurrencyLimit;
 use super::spares::Spares;
-use crate::Semaphore;
+use crate::{Priority, Semaphore};
 
 /// Caps how many requests are in flight at once across every process that shares the
 /// semaphore: each request holds a [`Permit`](crate::Permit) while the inner service handles it.
@@ -382,6 +382,46 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
     {
         DistributedConcurrencyLimitLayer {
             limiter: self.limiter.map(|admit| Weighted::new(admit, weight)),
+            flavour: self.flavour,
+        }
+    }
+}
+
+impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admission> {
+    /// A request is of the class `priority(&request)`: the line serves a higher class first,
+    /// inside the share the semaphore gives it
+    /// ([`SemaphoreBuilder::class`](crate::SemaphoreBuilder::class)). Composes with
+    /// [`weight_by`](Self::weight_by), partitions and [`rate_limit`](Self::rate_limit).
+    ///
+    /// Not available with [`acquire_in_poll_ready`](Self::acquire_in_poll_ready): `poll_ready`
+    /// does not see the request.
+    ///
+    /// ```
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Priority, Semaphore, Share};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+    /// let gpu = Semaphore::builder("gpu")
+    ///     .limit(20)
+    ///     .class(Priority::CRITICAL, Share::reserved(5))
+    ///     .build(MemoryBackend::new())?;
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(DistributedConcurrencyLimitLayer::new(gpu).priority_by(|path: &String| {
+    ///         if path.starts_with("/batch") { Priority::BATCH } else { Priority::CRITICAL }
+    ///     }))
+    ///     .service(service_fn(|path: String| async move { Ok::<_, tower::BoxError>(path.len()) }));
+    /// assert_eq!(svc.oneshot("/chat".to_owned()).await?, 5);
+    /// # Ok(()) }
+    /// ```
+    pub fn priority_by<P, R>(
+        self,
+        priority: P,
+    ) -> DistributedConcurrencyLimitLayer<Flavor, Prioritized<Admission, P>>
+    where
+        P: Fn(&R) -> Priority,
+    {
+        DistributedConcurrencyLimitLayer {
+            limiter: self.limiter.map(|admit| Prioritized::new(admit, priority)),
             flavour: self.flavour,
         }
     }

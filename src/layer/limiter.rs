@@ -10,7 +10,7 @@ use tower::BoxError;
 use super::admit::Admit;
 use super::spares::{Held, Spares};
 use crate::backend::RateDecision;
-use crate::{Error, Permit, RateLimiter, Semaphore};
+use crate::{Ask, Error, Permit, RateLimiter, Semaphore};
 
 /// What every flavour shares: the admission (which semaphore, what weight) and how a request
 /// waits for its permits.
@@ -50,18 +50,18 @@ pub(crate) enum Acquire {
 }
 
 impl Acquire {
-    /// Waits for `weight` permits of `semaphore`, or makes one attempt when `wait` is false.
+    /// Waits for what `ask` asks of `semaphore`, or makes one attempt when `wait` is false.
     pub(crate) fn start(
         semaphore: Semaphore,
-        weight: u32,
+        ask: Ask,
         wait: bool,
         rate: Option<RateLimiter>,
     ) -> Self {
         Acquire::Later(Box::pin(async move {
             match rate {
-                None if wait => semaphore.acquire_many(weight).await,
-                None => semaphore.try_acquire_many(weight).await?.ok_or(Error::Full),
-                Some(rate) => with_rate(&semaphore, weight, wait, &rate).await,
+                None if wait => semaphore.acquire_with(ask).await,
+                None => semaphore.try_acquire_with(ask).await?.ok_or(Error::Full),
+                Some(rate) => with_rate(&semaphore, &ask, wait, &rate).await,
             }
         }))
     }
@@ -76,11 +76,11 @@ impl Acquire {
 /// once the permit is held, and a refusal gives the permit back at once.
 async fn with_rate(
     semaphore: &Semaphore,
-    weight: u32,
+    ask: &Ask,
     wait: bool,
     rate: &RateLimiter,
 ) -> Result<Permit, Error> {
-    let permit = match semaphore.acquire_rated(weight, wait, rate).await {
+    let permit = match semaphore.acquire_rated(ask, wait, rate).await {
         Err(Error::RateLimited { retry_after }) => {
             rate.decided_with_acquire(&RateDecision::refused(retry_after));
             return Err(Error::RateLimited { retry_after });
@@ -91,7 +91,7 @@ async fn with_rate(
         rate.decided_with_acquire(decision);
         return Ok(permit);
     }
-    let decision = rate.check_n(weight).await?;
+    let decision = rate.check_n(ask.permits()).await?;
     if decision.allowed {
         return Ok(permit.with_rate(decision));
     }
@@ -154,7 +154,7 @@ impl<A> Limiter<A> {
             Ok((semaphore, ask)) => {
                 let limit = semaphore.limit();
                 let rate = self.rate.clone();
-                let acquire = Acquire::start(semaphore, ask.permits(), self.wait, rate);
+                let acquire = Acquire::start(semaphore, ask, self.wait, rate);
                 (acquire, Some(limit))
             }
             Err(e) => (Acquire::Now(Some(Err(e))), None),

@@ -96,7 +96,7 @@ mod service;
 mod spares;
 mod token;
 
-pub use self::admit::{Admit, InPollReady, Unweighted, Weigh, Weighable, Weighted};
+pub use self::admit::{Admit, InPollReady, Prioritized, Unweighted, Weigh, Weighable, Weighted};
 pub use self::flavour::{Http, Plain};
 pub use self::headers::{RATELIMIT, RATELIMIT_POLICY, REFUSAL_HEADER};
 pub use self::key::{HeaderKey, PartitionKey, Unkeyed};

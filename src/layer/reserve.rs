@@ -10,7 +10,7 @@ use sync_wrapper::SyncWrapper;
 
 use super::limiter::Acquire;
 use super::spares::{Held, Spares, Take};
-use crate::{Error, RateLimiter, Semaphore};
+use crate::{Ask, Error, RateLimiter, Semaphore};
 
 /// The reservation of one service: nothing, a wait in line, or its outcome, handed to the
 /// next `call`. A clone starts with nothing but shares the spares; dropping it drops the
@@ -82,7 +82,12 @@ impl Reservation {
             }
         }
         let pending = self.pending.get_or_insert_with(|| {
-            SyncWrapper::new(Acquire::start(semaphore.clone(), 1, wait, rate.cloned()))
+            SyncWrapper::new(Acquire::start(
+                semaphore.clone(),
+                Ask::new(),
+                wait,
+                rate.cloned(),
+            ))
         });
         let outcome = ready!(Pin::new(pending.get_mut()).poll(cx));
         self.pending = None;

@@ -4,10 +4,11 @@ use std::time::Duration;
 
 use super::Semaphore;
 use crate::backend::Backend;
+use crate::class::Classes;
 use crate::name::check_name_len;
 use crate::outage::OutagePolicy;
 use crate::telemetry::Telemetry;
-use crate::{AdaptiveLimit, Error};
+use crate::{AdaptiveLimit, Error, Priority, Share};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
@@ -29,6 +30,8 @@ pub(super) struct Settings {
     pub(super) max_waiters: usize,
     pub(super) outage: OutagePolicy,
     pub(super) claim: Duration,
+    /// What each class reserves and may hold.
+    pub(super) classes: Classes,
 }
 
 /// Settings for a [`Semaphore`]; made by [`Semaphore::builder`].
@@ -54,6 +57,7 @@ pub struct SemaphoreBuilder {
     claim: Duration,
     /// The `semaphore` label of its metrics, when it is not the name (a partition set's name).
     label: Option<String>,
+    classes: Classes,
 }
 
 impl SemaphoreBuilder {
@@ -141,6 +145,41 @@ impl SemaphoreBuilder {
         self
     }
 
+    /// Gives the class `priority` a share of the limit: [`Share::reserved`] slots no other
+    /// class may take, or [`Share::at_most`] what it may hold at once (call twice for both).
+    /// Classes without a share take from the pool the reservations leave. Every process of
+    /// the semaphore admits by the shares of the first one that used it (as with the limit).
+    ///
+    /// The line serves a higher class first with or without shares; while a higher class waits
+    /// for the pool, a lower one is admitted only inside its own reservation.
+    ///
+    /// With a limit in force below the reservations together (an operator's
+    /// [`set_limit`](Semaphore::set_limit), an adaptive limit that fell), the reservations are
+    /// kept first: the total never passes the limit, and only reserved classes are admitted,
+    /// each up to its reservation, until the limit is back above their sum; the others' acquires
+    /// are refused at once with an [`Error::Config`] naming their class, not left to wait.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{Ask, MemoryBackend, Priority, Semaphore, Share};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("gpu")
+    ///     .limit(3)
+    ///     .class(Priority::CRITICAL, Share::reserved(1))
+    ///     .build(MemoryBackend::new())?;
+    /// let _two = sem.acquire_many(2).await?;
+    /// assert!(sem.try_acquire().await?.is_none()); // the last slot is CRITICAL's
+    /// let critical = Ask::new().priority(Priority::CRITICAL);
+    /// assert!(sem.try_acquire_with(critical).await?.is_some());
+    /// # Ok(()) }
+    /// ```
+    pub fn class(mut self, priority: Priority, share: Share) -> Self {
+        self.classes.set(priority, share);
+        self
+    }
+
     /// Checks the settings and opens the semaphore on `backend`.
     ///
     /// # Errors
@@ -190,6 +229,17 @@ impl SemaphoreBuilder {
                 Some(limit) => limit,
             },
         };
+        if self.classes.any() {
+            // An adaptive limit may fall to its minimum: the shares must fit there too.
+            let floor = self.adaptive.map_or(limit, |adaptive| adaptive.min);
+            self.classes.check(&self.name, floor)?;
+            if let Some(why) = backend.cannot_share() {
+                return Err(Error::config(format!(
+                    "semaphore {:?}: classes with shares {why}",
+                    self.name
+                )));
+            }
+        }
         if self.lease < Duration::from_millis(1) || self.lease > MAX_LEASE {
             return Err(Error::config(format!(
                 "semaphore {:?}: lease {:?} is outside 1 ms ..= 49 days",
@@ -235,6 +285,7 @@ impl SemaphoreBuilder {
                     max_waiters: self.max_waiters,
                     outage: OutagePolicy::FailClosed,
                     claim: self.claim,
+                    classes: Classes::default(),
                 };
                 Some(Semaphore::open(
                     settings,
@@ -254,6 +305,7 @@ impl SemaphoreBuilder {
             max_waiters: self.max_waiters,
             outage: self.outage,
             claim: self.claim,
+            classes: self.classes,
         };
         Ok(Semaphore::open(settings, &backend, fallback, false))
     }
@@ -288,6 +340,7 @@ impl Semaphore {
             outage: OutagePolicy::FailClosed,
             claim: DEFAULT_CLAIM_WINDOW,
             label: None,
+            classes: Classes::default(),
         }
     }
 }

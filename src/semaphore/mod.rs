@@ -14,7 +14,7 @@ use crate::permit::{Claim, Origin, Permit};
 use crate::snapshot::Snapshot;
 use crate::telemetry::{Op, Outcome, Telemetry};
 use crate::waitlist::{Waitlist, Wake};
-use crate::{Error, RateLimiter};
+use crate::{Ask, Error, Priority, RateLimiter};
 
 mod builder;
 
@@ -94,6 +94,7 @@ impl Semaphore {
             &settings.name,
             settings.limit,
             settings.adaptive,
+            &settings.classes,
             settings.claim,
         );
         let origin = Arc::new(Origin {
@@ -182,14 +183,73 @@ impl Semaphore {
     /// takes nothing and leaves the line; a permit granted meanwhile is released in the
     /// background.
     pub async fn acquire_many(&self, weight: u32) -> Result<Permit, Error> {
-        self.acquire_with(weight, None).await
+        self.acquire_asked(&Ask::new().weight(weight), None).await
+    }
+
+    /// One permit in class `priority`, waiting like [`acquire`](Self::acquire): the line serves
+    /// a higher class first, inside the share the semaphore gives it
+    /// ([`SemaphoreBuilder::class`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire_with`](Self::acquire_with).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{MemoryBackend, Priority, Semaphore, Share};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("gpu")
+    ///     .limit(4)
+    ///     .class(Priority::CRITICAL, Share::reserved(1))
+    ///     .build(MemoryBackend::new())?;
+    /// let _batch = sem.acquire_many(3).await?; // everything the reservation leaves
+    /// assert!(sem.try_acquire().await?.is_none());
+    /// let _critical = sem.acquire_as(Priority::CRITICAL).await?; // its reserved slot
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Self::acquire).
+    pub async fn acquire_as(&self, priority: Priority) -> Result<Permit, Error> {
+        self.acquire_asked(&Ask::new().priority(priority), None)
+            .await
+    }
+
+    /// What `ask` asks (its weight and class), waiting like [`acquire`](Self::acquire).
+    ///
+    /// # Errors
+    ///
+    /// As [`acquire_many`](Self::acquire_many); [`Error::Config`] names the class when the
+    /// weight is above what its class may ever hold.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{Ask, MemoryBackend, Priority, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("gpu").limit(4).build(MemoryBackend::new())?;
+    /// let permit = sem.acquire_with(Ask::new().priority(Priority::BATCH).weight(2)).await?;
+    /// assert_eq!(permit.weight(), 2);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`acquire`](Self::acquire).
+    pub async fn acquire_with(&self, ask: Ask) -> Result<Permit, Error> {
+        self.acquire_asked(&ask, None).await
     }
 
     /// A span per acquisition (target `tower_distributed_limit::acquire`, DEBUG) with the
     /// semaphore, the weight and the mode; its outcome and wait are recorded when it ends.
-    fn span(&self, weight: u32, mode: &'static str) -> tracing::Span {
+    fn span(&self, ask: &Ask, mode: &'static str) -> tracing::Span {
         tracing::debug_span!(target: "tower_distributed_limit::acquire", "acquire",
-            semaphore = %self.inner.settings.name, weight, mode,
+            semaphore = %self.inner.settings.name, weight = ask.permits(),
+            class = %ask.class(), mode,
             outcome = tracing::field::Empty, wait_ms = tracing::field::Empty)
     }
 
@@ -199,7 +259,7 @@ impl Semaphore {
     /// and the permit is granted at once ([`Permit::rate_spent`]). For the layer's `rate_limit`.
     pub(crate) async fn acquire_rated(
         &self,
-        weight: u32,
+        ask: &Ask,
         wait: bool,
         rate: &RateLimiter,
     ) -> Result<Permit, Error> {
@@ -208,26 +268,26 @@ impl Semaphore {
             .filter(|limiter| self.inner.origin.store.combines(limiter))
             .map(|limiter| Rated {
                 limiter,
-                cost: weight,
+                cost: ask.permits(),
             });
         if wait {
-            self.acquire_with(weight, rated.as_ref()).await
+            self.acquire_asked(ask, rated.as_ref()).await
         } else {
-            self.try_with(weight, rated.as_ref())
+            self.try_asked(ask, rated.as_ref())
                 .await?
                 .ok_or(Error::Full)
         }
     }
 
-    /// `acquire_many`, with the rate limit it may decide in the same call.
-    async fn acquire_with(&self, weight: u32, rate: Option<&Rated>) -> Result<Permit, Error> {
+    /// `acquire_with`, with the rate limit it may decide in the same call.
+    async fn acquire_asked(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Permit, Error> {
         async {
-            self.check_weight(weight)?;
+            self.check_weight(ask)?;
             let started = Instant::now();
             let deadline = deadline_after(started, self.inner.settings.acquire_timeout);
-            let result = match self.wait_for(weight, started, deadline, rate).await {
-                Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
-                    Ok(fallback) => fallback.wait_for(weight, started, deadline, None).await,
+            let result = match self.wait_for(ask, started, deadline, rate).await {
+                Err(e @ Error::Backend(_)) => match self.fallback(e, ask.permits()) {
+                    Ok(fallback) => fallback.wait_for(ask, started, deadline, None).await,
                     Err(e) => Err(e),
                 },
                 other => other,
@@ -235,7 +295,7 @@ impl Semaphore {
             self.report(result.as_ref().map(Some), started);
             result
         }
-        .instrument(self.span(weight, "wait"))
+        .instrument(self.span(ask, "wait"))
         .await
     }
 
@@ -291,17 +351,48 @@ impl Semaphore {
     /// Cancel safe: dropping the future before it resolves takes nothing (a permit granted
     /// meanwhile is released in the background).
     pub async fn try_acquire_many(&self, weight: u32) -> Result<Option<Permit>, Error> {
-        self.try_with(weight, None).await
+        self.try_asked(&Ask::new().weight(weight), None).await
     }
 
-    /// `try_acquire_many`, with the rate limit it may decide in the same call.
-    async fn try_with(&self, weight: u32, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
+    /// One attempt at what `ask` asks: `Ok(None)` when it does not fit now, or when others
+    /// of its class or a higher one wait.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_many`](Self::try_acquire_many).
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{Ask, MemoryBackend, Priority, Semaphore, Share};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("gpu")
+    ///     .limit(4)
+    ///     .class(Priority::BATCH, Share::at_most(1))
+    ///     .build(MemoryBackend::new())?;
+    /// let batch = Ask::new().priority(Priority::BATCH);
+    /// let _one = sem.try_acquire_with(batch.clone()).await?.expect("room for one");
+    /// assert!(sem.try_acquire_with(batch).await?.is_none()); // BATCH holds at most 1
+    /// assert!(sem.try_acquire().await?.is_some()); // NORMAL shares the rest
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`try_acquire`](Self::try_acquire).
+    pub async fn try_acquire_with(&self, ask: Ask) -> Result<Option<Permit>, Error> {
+        self.try_asked(&ask, None).await
+    }
+
+    /// `try_acquire_with`, with the rate limit it may decide in the same call.
+    async fn try_asked(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
         async {
-            self.check_weight(weight)?;
+            self.check_weight(ask)?;
             let started = Instant::now();
-            let result = match self.try_once(weight, rate).await {
-                Err(e @ Error::Backend(_)) => match self.fallback(e, weight) {
-                    Ok(fallback) => fallback.try_once(weight, None).await,
+            let result = match self.try_once(ask, rate).await {
+                Err(e @ Error::Backend(_)) => match self.fallback(e, ask.permits()) {
+                    Ok(fallback) => fallback.try_once(ask, None).await,
                     Err(e) => Err(e),
                 },
                 other => other,
@@ -309,12 +400,12 @@ impl Semaphore {
             self.report(result.as_ref().map(Option::as_ref), started);
             result
         }
-        .instrument(self.span(weight, "once"))
+        .instrument(self.span(ask, "once"))
         .await
     }
 
-    async fn try_once(&self, weight: u32, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
-        let claim = self.claim(weight);
+    async fn try_once(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
+        let claim = self.claim(ask);
         let sent = Instant::now();
         let attempt = self
             .inner
@@ -338,7 +429,7 @@ impl Semaphore {
             }
             Attempt::TooHeavy { limit } => {
                 claim.disarm();
-                Err(self.too_heavy(weight, limit))
+                Err(self.too_heavy(ask, limit))
             }
             // Not asked for; dropping the claim takes the member out of the line again.
             Attempt::Queued { .. } => Ok(None),
@@ -347,11 +438,20 @@ impl Semaphore {
 
     /// A weight above the limit in force for every process (set, or adapted, below the one this
     /// process knows of).
-    fn too_heavy(&self, weight: u32, limit: u32) -> Error {
+    fn too_heavy(&self, ask: &Ask, limit: u32) -> Error {
+        let weight = ask.permits();
+        let name = &self.inner.settings.name;
+        if self.inner.settings.classes.any() {
+            return Error::config(format!(
+                "cannot take {weight} permits of semaphore {name:?} in class {}: the most that \
+                 class may hold beside the others' reservations under the limit in force is \
+                 {limit} now; take at most {limit}",
+                ask.class()
+            ));
+        }
         Error::config(format!(
-            "cannot take {weight} permits of semaphore {:?}: the limit every process admits by \
-             is {limit} now (set with set_limit); take at most {limit}",
-            self.inner.settings.name
+            "cannot take {weight} permits of semaphore {name:?}: the limit every process admits by \
+             is {limit} now (set with set_limit); take at most {limit}"
         ))
     }
 
@@ -514,8 +614,9 @@ impl Semaphore {
     /// A weight of 0, or above any limit this process knows may be in force (its own, an
     /// adaptive one's bound, the one in force as last heard: a pinned one may be higher), is
     /// refused here; the backend refuses one above the limit in force now.
-    fn check_weight(&self, weight: u32) -> Result<(), Error> {
+    fn check_weight(&self, ask: &Ask) -> Result<(), Error> {
         let settings = &self.inner.settings;
+        let weight = ask.permits();
         let most = (settings.limit)
             .max(settings.adaptive.map_or(0, |adaptive| adaptive.max))
             .max(self.inner.origin.store.limit_in_force().unwrap_or(0));
@@ -525,11 +626,14 @@ impl Semaphore {
                 settings.name
             )));
         }
+        if settings.classes.any() && weight > settings.classes.most(ask.class(), most) {
+            return Err(self.too_heavy(ask, settings.classes.most(ask.class(), most)));
+        }
         Ok(())
     }
 
-    fn claim(&self, weight: u32) -> Claim {
-        Claim::new(&self.inner.origin, weight, self.inner.settings.lease)
+    fn claim(&self, ask: &Ask) -> Claim {
+        Claim::new(&self.inner.origin, ask, self.inner.settings.lease)
     }
 
     /// Waits for a permit until `deadline`. A grant that reached this process only after its
@@ -537,7 +641,7 @@ impl Semaphore {
     /// on while time remains.
     async fn wait_for(
         &self,
-        weight: u32,
+        ask: &Ask,
         started: Instant,
         deadline: Instant,
         rate: Option<&Rated>,
@@ -547,7 +651,7 @@ impl Semaphore {
         };
         loop {
             let permit = self
-                .wait_once(weight, deadline, rate)
+                .wait_once(ask, deadline, rate)
                 .await?
                 .ok_or_else(timeout)?;
             if !permit.is_lost() {
@@ -569,12 +673,12 @@ impl Semaphore {
     /// failed one is an outage.
     async fn wait_once(
         &self,
-        weight: u32,
+        ask: &Ask,
         deadline: Instant,
         rate: Option<&Rated>,
     ) -> Result<Option<Permit>, Error> {
         let store = &self.inner.origin.store;
-        let claim = self.claim(weight);
+        let claim = self.claim(ask);
         let registered = self
             .inner
             .waitlist
@@ -615,7 +719,7 @@ impl Semaphore {
                     return Err(Error::RateLimited { retry_after });
                 }
                 Attempt::Queued { retry_in, clock } => (retry_in, clock),
-                Attempt::TooHeavy { limit } => return Err(self.too_heavy(weight, limit)),
+                Attempt::TooHeavy { limit } => return Err(self.too_heavy(ask, limit)),
                 Attempt::Full => {
                     return Err(Error::backend(
                         "the backend refused to queue a waiter; this is a bug, please report it",

@@ -30,6 +30,8 @@ impl Open for QuorumBackend {
         limit: u32,
         // Refused at build (`cannot_adapt`).
         _adaptive: Option<AdaptiveLimit>,
+        // Shares are refused at build (`cannot_share`); priorities are not served in order.
+        _classes: &crate::class::Classes,
         _claim: Duration,
     ) -> Opened {
         // No hash tag: the nodes are independent masters, not a cluster.
@@ -63,6 +65,16 @@ impl Open for QuorumBackend {
             "needs one store that decides every grant and sees every release; on a quorum each \
              node would move its own limit, so none would be in force for the fleet. Use a \
              fixed limit (or a RedisBackend, Sentinel or Cluster)",
+        )
+    }
+
+    fn cannot_share(&self) -> Option<&'static str> {
+        // A grant is a majority of nodes' independent grants: a node's share of a class says
+        // nothing of what the class holds on the others, so no share could be kept exactly.
+        Some(
+            "needs one store that sees every class's holders; on a quorum each node counts only \
+             its own grants, so no reservation or cap would hold for the fleet. Use a \
+             RedisBackend, Sentinel or Cluster for classes with shares",
         )
     }
 }

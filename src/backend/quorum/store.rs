@@ -11,12 +11,12 @@ use tokio::time::Instant;
 
 use super::grant::Try;
 use super::semaphore::{QuorumSemaphore, integer};
-use crate::Error;
 use crate::backend::gcra::Rated;
 use crate::backend::store::{Attempt, Ending, Member, Mode, Store};
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Refresh, Status};
+use crate::{Error, Priority};
 
 impl Store for QuorumSemaphore {
     fn acquire<'a>(
@@ -170,6 +170,7 @@ impl Store for QuorumSemaphore {
                     held_for: Duration::ZERO,
                     lease_remaining: Duration::from_millis(left.max(0).unsigned_abs()),
                     process: String::new(),
+                    class: Member::read(&member).map_or(Priority::NORMAL, |(_, class, _)| class),
                 })
                 .collect();
             Ok(Snapshot {

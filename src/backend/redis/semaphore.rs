@@ -21,6 +21,7 @@ use crate::RateDecision;
 use crate::backend::store::{
     Attempt, Ending, Member, Mode, Opened, Store, process_tag, sealed::Open,
 };
+use crate::class::Classes;
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, PATIENCE, Refresh, Status};
@@ -30,6 +31,7 @@ use crate::{AdaptiveLimit, Error};
 static SEMAPHORE: Lua = Lua::new(concat!(
     include_str!("../lua/gcra.lua"),
     include_str!("../lua/semaphore/args.lua"),
+    include_str!("../lua/semaphore/classes.lua"),
     include_str!("../lua/semaphore/fence.lua"),
     include_str!("../lua/semaphore/sweep.lua"),
     include_str!("../lua/semaphore/adapt.lua"),
@@ -54,9 +56,10 @@ impl Open for RedisBackend {
         name: &str,
         limit: u32,
         adaptive: Option<AdaptiveLimit>,
+        classes: &Classes,
         claim: Duration,
     ) -> Opened {
-        let store = RedisSemaphore::new(self, name, limit, adaptive, claim);
+        let store = RedisSemaphore::new(self, name, limit, adaptive, classes, claim);
         // Grants to this process's members are announced on its own channel (see the script),
         // and reach the waitlist through the hub.
         let waitlist = (self.shared.hub).waitlist(&format!("{}:{}", store.channel, store.tag));
@@ -90,7 +93,8 @@ struct RedisSemaphore {
     /// The limit this process was built with; the one in force is stored with the semaphore.
     limit: u32,
     /// How the script is told the limit: `<limit>`, or `<initial>/<min>/<max>` for an adaptive
-    /// one (the process that creates the semaphore's state decides which).
+    /// one, then `|<classes' shares>` when any (the process that creates the semaphore's state
+    /// decides both).
     limit_arg: String,
     adaptive: bool,
     /// A warning about the two limits differing was logged.
@@ -147,8 +151,17 @@ impl RedisSemaphore {
         name: &str,
         limit: u32,
         adaptive: Option<AdaptiveLimit>,
+        classes: &Classes,
         claim: Duration,
     ) -> Arc<Self> {
+        let mut limit_arg = match adaptive {
+            Some(AdaptiveLimit { initial, min, max }) => format!("{initial}/{min}/{max}"),
+            None => limit.to_string(),
+        };
+        if classes.any() {
+            limit_arg.push('|');
+            limit_arg.push_str(&classes.encode());
+        }
         let base = format!("{}{}", backend.prefix, hash_tag(name));
         Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
@@ -160,10 +173,7 @@ impl RedisSemaphore {
             warned: AtomicBool::new(false),
             in_force: AtomicU32::new(0),
             limit,
-            limit_arg: match adaptive {
-                Some(AdaptiveLimit { initial, min, max }) => format!("{initial}/{min}/{max}"),
-                None => limit.to_string(),
-            },
+            limit_arg,
             adaptive: adaptive.is_some(),
             channel: format!("{base}:granted"),
             tag: format!("{:08x}", process_tag()),
@@ -955,9 +965,8 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
                 return None;
             };
             let member = std::str::from_utf8(member).ok()?;
-            let mut parts = member.split(':');
-            let id = parts.next()?.to_owned();
-            let weight = parts.next()?.parse().ok()?;
+            let (id, class, weight) = Member::read(member)?;
+            let id = id.to_owned();
             let (deadline, granted) = (int(&holder[1])?, int(&holder[2])?);
             let Value::BulkString(process) = &holder[3] else {
                 return None;
@@ -972,6 +981,7 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
                 },
                 lease_remaining: millis(deadline - now),
                 process: String::from_utf8_lossy(process).into_owned(),
+                class,
             })
         })
         .collect::<Option<Vec<_>>>()?;
@@ -1038,7 +1048,14 @@ mod tests {
         let backend = RedisBackend::builder("redis://127.0.0.1:1")
             .connect_lazy()
             .unwrap();
-        RedisSemaphore::new(&backend, "outbox", 5, None, Duration::from_secs(1))
+        RedisSemaphore::new(
+            &backend,
+            "outbox",
+            5,
+            None,
+            &Classes::default(),
+            Duration::from_secs(1),
+        )
     }
 
     /// Lets the spawned tasks run until `done` holds.
@@ -1198,7 +1215,14 @@ mod tests {
         let backend = RedisBackend::cluster_builder(&["redis://127.0.0.1:1"])
             .connect_lazy()
             .unwrap();
-        let semaphore = RedisSemaphore::new(&backend, "outbox", 5, None, Duration::from_secs(1));
+        let semaphore = RedisSemaphore::new(
+            &backend,
+            "outbox",
+            5,
+            None,
+            &Classes::default(),
+            Duration::from_secs(1),
+        );
         let member = Member::new(1, LEASE);
         semaphore.release_later(member.clone(), Ending::default());
         // A flush (or a read) takes the release and sends it; until it is answered, every
@@ -1237,7 +1261,14 @@ mod tests {
             .connect_lazy()
             .unwrap();
         let bounds = Some(AdaptiveLimit::new());
-        let adaptive = RedisSemaphore::new(&backend, "a", 20, bounds, Duration::from_secs(1));
+        let adaptive = RedisSemaphore::new(
+            &backend,
+            "a",
+            20,
+            bounds,
+            &Classes::default(),
+            Duration::from_secs(1),
+        );
         let fixed = unreachable();
         let member: Arc<str> = "m".into();
         let ending = |held_ms, overloaded| Ending {

@@ -1,4 +1,4 @@
--- Part 4 of the semaphore script: the adaptive limit, moved by the hold times of the holders
+-- Part 5 of the semaphore script: the adaptive limit, moved by the hold times of the holders
 -- released here (src/adaptive.rs has the same steps, their reasons and their tests). Only
 -- explicit releases are samples: a holder whose lease ran out (a crash) says nothing of the
 -- downstream's latency. A pinned limit (set_limit) does not adapt.

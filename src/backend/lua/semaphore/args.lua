@@ -1,6 +1,6 @@
 -- One distributed, first-come-first-served semaphore. Every operation is one call of this
 -- script, so it runs atomically; times come from the Redis server clock, never a client's.
--- The script is this file and the six after it, in order (fence, sweep, adapt, holders, line, ops;
+-- The script is this file and the seven after it, in order (classes, fence, sweep, adapt, holders, line, ops;
 -- `semaphore.rs` joins them after `gcra.lua`); each part's locals are the next parts' too.
 --
 -- KEYS[1] holders: zset, member -> lease deadline (ms)
@@ -20,8 +20,11 @@
 --                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over`, and
 --                  the probe's `a:pat`, `a:psave`, `a:pn`, `a:plow` (adapt.lua);
 --                  `unpinned` = while pinned, the limit to return to when unpinned (the one
---                  in force before, else the first configured limit a process calls with)
--- KEYS[3] queue:   zset, member -> arrival (µs, strictly increasing): who waits, oldest first
+--                  in force before, else the first configured limit a process calls with);
+--                  `classes` = the classes' shares, stored with the limit, and `c<level>` =
+--                  the weight each class holds (classes.lua)
+-- KEYS[3] queue:   zset, member -> its class's rank × 2^48 + its arrival (strictly increasing):
+--                  who waits, by class (highest first), then oldest first
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
 -- KEYS[6] procs:   zset, "<process tag> <process name>" -> when last told (ms), for snapshots;
@@ -30,13 +33,14 @@
 -- KEYS[#KEYS] (with a promotion fence) promoted: hash, `id` = the replication id under which
 --                  this server was first seen promoted from a replica, `at` = when (ms); one
 --                  key for every semaphore of the server (used through Sentinel only)
--- A member is "<holder id>:<weight>:<lease ms>", the id's first 8 hex digits naming its
+-- A member is "<holder id>[:c<level>]:<weight>:<lease ms>" (level 4, NORMAL, without), the id's first 8 hex digits naming its
 -- process. All keys share one hash tag (one Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
 -- when nothing is held past that horizon); queue and alive expire with the latest waiter
 -- deadline.
 --
 -- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or
--- SPUBLISH on a cluster), the caller's limit (`<n>`, or `<initial>/<min>/<max>` adaptive),
+-- SPUBLISH on a cluster), the caller's limit (`<n>`, or `<initial>/<min>/<max>` adaptive,
+-- then `|<shares>` when its classes have any),
 -- patience ms, claim ms, promotion fence ms (0: none), the caller's process tag (followed by
 -- a space and the process's name now and then, to be kept in procs), k, then k members to
 -- release
@@ -67,7 +71,8 @@
 --   snapshot                     -> {limit, used, waiting, now ms, pinned (0|1), then per
 --                                    holder: member, deadline ms, granted ms, process name
 --                                    ('' when not known)}
--- An acquire whose weight is above the limit in force answers {3, limit}.
+-- An acquire whose weight is above what its class may ever hold under the limit in force (the
+-- limit, less the other classes' reservations, at most its cap) answers {3, that most}.
 -- "left µs" is a deadline minus the server time of this call, exact to the µs: a client that
 -- adds it to the moment it sent the call never believes a lease past the server's.
 -- Whenever queued waiters fit they are admitted in arrival order, each with a provisional lease
@@ -77,8 +82,10 @@
 local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local procs = KEYS[6]
 local op, channel, publisher = ARGV[1], ARGV[2], ARGV[3]
-local initial, adapt_min, adapt_max = string.match(ARGV[4], '^(%d+)/(%d+)/(%d+)$')
-local limit = tonumber(initial or ARGV[4])
+-- The caller's limit, then `|` and its classes' shares when it has any (classes.lua).
+local limit_text, caller_shares = string.match(ARGV[4], '^([^|]*)|?(.*)$')
+local initial, adapt_min, adapt_max = string.match(limit_text, '^(%d+)/(%d+)/(%d+)$')
+local limit = tonumber(initial or limit_text)
 local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
 local promotion_fence = tonumber(ARGV[7])
 local caller, caller_name = string.sub(ARGV[8], 1, 8), string.sub(ARGV[8], 10)
@@ -123,7 +130,7 @@ local function left(deadline)
 end
 
 local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
-  'line', 'arrived', 'pending', 's:' .. caller, 'adaptive', 'unpinned')
+  'line', 'arrived', 'pending', 's:' .. caller, 'adaptive', 'unpinned', 'classes')
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local line = tonumber(stored[7]) or 0
@@ -131,6 +138,9 @@ local arrived = tonumber(stored[8]) or 0
 -- How many holders hold a provisional grant (a `p:` field each).
 local pending = tonumber(stored[9]) or 0
 local changed = false
+-- The classes' shares in force (classes.lua), as stored with the limit.
+local stored_shares = stored[13] or nil
+local shares = nil
 
 -- A provisional grant is claimed (extended for a full lease) or gone: true if it was one.
 local function settle_pending(member)

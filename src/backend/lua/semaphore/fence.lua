@@ -1,4 +1,4 @@
--- Part 2 of the semaphore script (after args.lua): the promotion fence after a failover.
+-- Part 3 of the semaphore script: the promotion fence after a failover.
 
 -- A replica promoted to master (a failover) may lack grants the old master made (replication
 -- is asynchronous), and the old master may go on granting to processes that have not heard of

@@ -1,4 +1,4 @@
--- Part 5 of the semaphore script: holders granted, extended and released; an operator's evict.
+-- Part 6 of the semaphore script: holders granted, extended and released; an operator's evict.
 
 -- Holders and meta outlive the latest lease by at most half a lease (meta's TTL is set once,
 -- at the end).
@@ -16,7 +16,7 @@ local function grant(member, weight, lease, term)
   local deadline = now + math.min(term, lease)
   redis.call('ZADD', holders, int(deadline), member)
   redis.call('HSET', since, member, int(now))
-  used = used + weight
+  account(member, 1)
   count = count + 1
   -- Strictly increasing; the server time in µs as a floor keeps the token above every token
   -- issued before the counter expired in an idle spell.
@@ -61,7 +61,7 @@ for i = 10, args - 1 do
     end
     redis.call('HDEL', since, member)
     settle_pending(member)
-    used = used - parse(member)
+    account(member, -1)
     count = count - 1
     changed = true
     removed = removed + 1
@@ -82,7 +82,7 @@ if op == 'evict' then
     if member and redis.call('ZREM', holders, member) == 1 then
       redis.call('HDEL', since, member)
       settle_pending(member)
-      used = used - parse(member)
+      account(member, -1)
       count = count - 1
       changed = true
       evicted = 1

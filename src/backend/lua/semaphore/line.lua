@@ -1,29 +1,33 @@
--- Part 6 of the semaphore script: the line, first come first served: waiters admitted in
--- arrival order, queued, and the retry hint.
+-- Part 7 of the semaphore script: the line, first come first served in each class, higher
+-- classes first: waiters admitted, queued, and the retry hint.
 
--- Admit waiters in arrival order while the oldest fits; forget waiters that stopped answering
--- (and any whose liveness entry is gone).
+-- Admit waiters, each class in arrival order while its oldest fits; forget waiters that
+-- stopped answering (and any whose liveness entry is gone).
 local granted = {}
 local waiting = redis.call('ZCARD', queue)
+-- The classes (by rank) whose oldest waiter still waits: a newcomer of one queues behind it.
+local waits_in = {}
 if waiting > 0 then
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', alive, '-inf', int(now))) do
     redis.call('ZREM', queue, member)
     redis.call('ZREM', alive, member)
   end
-  -- The line's head, read a few at a time: a release usually admits one waiter and finds the
-  -- next one not fitting, which one read answers. Every member read is taken out of the line
-  -- or passed over before the next read, so a read always starts just after those passed.
-  local head, at, passed = {}, 1, 0
+  -- Each class in turn, highest first: its head read a few at a time, since a release usually
+  -- admits one waiter and finds the next one not fitting, which one read answers. Every
+  -- member read is taken out of the line or passed over before the next read, so a read
+  -- always starts just after those passed.
+  local silent = {}
+  local rank, head, at, passed = nil, {}, 1, 0
   local function next_in_line()
     if at > #head then
-      head, at = redis.call('ZRANGE', queue, passed, passed + 3), 1
+      head, at = redis.call('ZRANGEBYSCORE', queue, int(rank * RANK), '(' .. int((rank + 1) * RANK),
+        'LIMIT', passed, 4), 1
     end
     at = at + 1
     return head[at - 1]
   end
   -- Waiters of a silent process keep their place but are passed over (at most 64 a call, so
   -- a frozen process with a long line costs a bounded read).
-  local silent = {}
   local function oldest()
     local member = next_in_line()
     while member do
@@ -42,34 +46,49 @@ if waiting > 0 then
     end
     return nil
   end
-  while true do
-    local member = oldest()
-    while member and parse(member) > limit do
-      -- Heavier than the limit now in force: it would block the line for ever. Dropped, it
-      -- learns at its next refresh and is refused.
+  local first = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')[2]
+  rank = first and math.floor(tonumber(first) / RANK)
+  waiting = 0
+  while rank and rank <= 7 do
+    head, at = {}, 1
+    while true do
+      local member = oldest()
+      local level = rank_of(rank)
+      while member and parse(member) > most(level) do
+        -- Heavier than its class may ever hold under the limit now in force: it would block
+        -- the line for ever. Dropped, it learns at its next refresh and is refused.
+        redis.call('ZREM', queue, member)
+        redis.call('ZREM', alive, member)
+        member = oldest()
+      end
+      if not member then
+        break
+      end
+      local weight, lease = parse(member)
+      if not admits(level, weight) or not settled(lease) then
+        waiting = 1
+        waits_in[rank] = true
+        if room(level, weight) ~= 'capped' then
+          blocked = blocked or rank
+        end
+        break
+      end
       redis.call('ZREM', queue, member)
-      redis.call('ZREM', alive, member)
-      member = oldest()
+      if redis.call('ZREM', alive, member) == 1 then
+        local term = math.min(claim, math.max(math.floor(lease / 2), 1))
+        local token, deadline = grant(member, weight, lease, term)
+        redis.call('HSET', meta, 'p:' .. member, 1)
+        pending = pending + 1
+        granted[member] = token
+        -- On the channel of the member's process only (its id starts with the process's tag).
+        redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
+          member .. ' ' .. int(token) .. ' ' .. int(deadline))
+      end
     end
-    local weight, lease = 0, 0
-    if member then
-      weight, lease = parse(member)
-    end
-    if not member or used + weight > limit or not settled(lease) then
-      waiting = member and 1 or 0
-      break
-    end
-    redis.call('ZREM', queue, member)
-    if redis.call('ZREM', alive, member) == 1 then
-      local term = math.min(claim, math.max(math.floor(lease / 2), 1))
-      local token, deadline = grant(member, weight, lease, term)
-      redis.call('HSET', meta, 'p:' .. member, 1)
-      pending = pending + 1
-      granted[member] = token
-      -- On the channel of the member's process only (its id starts with the process's tag).
-      redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
-        member .. ' ' .. int(token) .. ' ' .. int(deadline))
-    end
+    local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf', 'WITHSCORES',
+      'LIMIT', 0, 1)[2]
+    rank = after and math.floor(tonumber(after) / RANK)
+    passed = 0
   end
 end
 

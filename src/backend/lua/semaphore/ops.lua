@@ -1,4 +1,4 @@
--- Part 7 of the semaphore script: each operation's work and reply.
+-- Part 8 of the semaphore script: each operation's work and reply.
 
 local reply
 if op == 'acquire' then
@@ -17,20 +17,21 @@ if op == 'acquire' then
   for i = args + 3, #ARGV - 2, 3 do
     local member, mode, cost = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
     local weight, lease = parse(member)
+    local level = level_of(member)
     local state, token, rest = 0, 0, 0
     if mode == 'recheck' then
       state, token, rest = status(member)
     end
     local answer
-    if state ~= 1 and weight > limit then
-      answer = {3, limit}
+    if state ~= 1 and weight > most(level) then
+      answer = {3, most(level)}
     elseif state == 1 then
       answer = {1, token, rest, now_us, limit}
     elseif state == 2 then
       answer = {2, 0, now_us, limit}
     elseif cancelled[member] then
       answer = {0, 0, now_us, limit}
-    elseif waiting == 0 and used + weight <= limit and settled(lease) then
+    elseif not waits_in[rank_of(level)] and admits(level, weight) and settled(lease) then
       local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
       if rated and cost > 0 then
         allowed, remaining, retry_us, reset_us = gcra(KEYS[7], rate, period, burst, cost, now_us)
@@ -49,10 +50,10 @@ if op == 'acquire' then
     elseif mode ~= 'once' then
       -- Strictly after every earlier arrival, so members queued by one call (or by two calls
       -- in the same microsecond) are served in the order they came.
-      arrived = math.max(now_us, arrived + 1)
-      redis.call('ZADD', queue, int(arrived), member)
+      redis.call('ZADD', queue, int(rank_of(level) * RANK + next_arrival()), member)
       changed = true
       waiting = 1
+      waits_in[rank_of(level)] = true
       wait(member)
       answer = {2, 0, now_us, limit}
     else
@@ -138,6 +139,7 @@ if changed then
       table.insert(fields, adaptive)
     end
     gradient_fields(fields)
+    class_fields(fields)
     if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
       table.insert(fields, 'limit')
       table.insert(fields, int(limit))

@@ -1,4 +1,4 @@
--- Part 3 of the semaphore script: expired holders out, the clamps for a clock stepped back,
+-- Part 4 of the semaphore script: expired holders out, the clamps for a clock stepped back,
 -- the silent processes, and the counters checked against the members they count.
 
 -- Drop holders whose lease has passed, if the earliest has.
@@ -82,7 +82,7 @@ if caller_name ~= '' then
 end
 if used and count then
   for _, member in ipairs(expired) do
-    used = used - parse(member)
+    account(member, -1)
   end
   count = count - #expired
 end
@@ -92,8 +92,11 @@ end
 local card = redis.call('ZCARD', holders)
 if used == nil or count ~= card then
   used, count = 0, card
+  for level = 0, 7 do
+    in_class[level] = 0
+  end
   for _, member in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
-    used = used + parse(member)
+    account(member, 1)
   end
   horizon = 0
   if card > 0 then

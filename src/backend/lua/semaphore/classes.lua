@@ -1,0 +1,128 @@
+-- Part 2 of the semaphore script (after args.lua): classes. A member's class is its level
+-- (`:c<level>` after its id; 4, NORMAL, without). The line serves a higher level first, each
+-- class in arrival order. With shares (`classes` in meta: `<level>r<n>` reserved, `<level>m<n>`
+-- at most, comma-separated; decided with the limit by whoever stores it), meta keeps what each
+-- class holds in `c<level>`, and a class is admitted only where its share allows: the slots
+-- other classes reserve and do not hold stay free for them, and a class never holds more than
+-- its cap. src/class.rs has the same rules and their tests.
+
+-- A queued member's score: its class's rank (0 for the highest level) times 2^48, then its
+-- arrival, strictly increasing (`arrived`; below 2^48 for centuries: a floor of 1/16 ms since
+-- 2026 keeps it above every arrival before the counter was lost).
+local RANK = 281474976710656
+local EPOCH_MS = 1767225600000
+local function level_of(member)
+  return tonumber(string.match(member, '^%x+:c(%d):')) or 4
+end
+local function rank_of(level)
+  return 7 - level
+end
+if arrived >= RANK then
+  -- Written by a version that counted arrivals in µs.
+  arrived = 0
+end
+local function next_arrival()
+  arrived = math.max((now - EPOCH_MS) * 16, arrived + 1)
+  return arrived
+end
+
+if stored_shares then
+  shares = stored_shares
+elseif not tonumber(stored[5]) and caller_shares ~= '' then
+  shares = caller_shares
+end
+local reserved, at_most, in_class = {}, {}, {}
+if shares then
+  for level, kind, n in string.gmatch(shares, '(%d)([rm])(%d+)') do
+    if kind == 'r' then
+      reserved[tonumber(level)] = tonumber(n)
+    else
+      at_most[tonumber(level)] = tonumber(n)
+    end
+  end
+  local counts = redis.call('HMGET', meta, 'c0', 'c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7')
+  for level = 0, 7 do
+    in_class[level] = tonumber(counts[level + 1]) or 0
+  end
+end
+local held_changed = false
+
+-- A holder's weight counted in (`sign` 1) or out (-1) of `used` and its class's count.
+local function account(member, sign)
+  local weight = parse(member)
+  used = used + sign * weight
+  if shares then
+    local level = level_of(member)
+    in_class[level] = in_class[level] + sign * weight
+    held_changed = true
+  end
+end
+
+-- The most a member of `level` may ever hold under the limit in force.
+local function most(level)
+  if not shares then
+    return limit
+  end
+  local others = 0
+  for other, n in pairs(reserved) do
+    if other ~= level then
+      others = others + n
+    end
+  end
+  local m = math.max(limit - others, 0)
+  if at_most[level] then
+    m = math.min(m, at_most[level])
+  end
+  return m
+end
+
+-- Whether `weight` more of `level` fits now: 'fits', 'capped' (its class holds all it may: it
+-- holds up no other class) or 'full' (the pool the reservations leave is full).
+local function room(level, weight)
+  if shares then
+    if at_most[level] and in_class[level] + weight > at_most[level] then
+      return 'capped'
+    end
+    local kept = 0
+    for other, n in pairs(reserved) do
+      if other ~= level then
+        kept = kept + math.max(n - in_class[other], 0)
+      end
+    end
+    if used + weight + kept > limit then
+      return 'full'
+    end
+    return 'fits'
+  end
+  if used + weight > limit then
+    return 'full'
+  end
+  return 'fits'
+end
+
+-- The highest class (lowest rank) whose oldest waiter waits for the pool, found by the line
+-- below: a lower class is admitted only inside its own reservation while it waits.
+local blocked = nil
+local function admits(level, weight)
+  if room(level, weight) ~= 'fits' then
+    return false
+  end
+  if blocked and blocked < rank_of(level) then
+    return reserved[level] ~= nil and in_class[level] + weight <= reserved[level]
+  end
+  return true
+end
+
+-- The shares and the classes' counts, to write with meta.
+local function class_fields(fields)
+  if shares and shares ~= stored_shares then
+    table.insert(fields, 'classes')
+    table.insert(fields, shares)
+  end
+  if held_changed then
+    for level = 0, 7 do
+      table.insert(fields, 'c' .. level)
+      table.insert(fields, int(math.max(in_class[level], 0)))
+    end
+  end
+end
