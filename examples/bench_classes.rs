@@ -2,7 +2,8 @@
 //! load on one semaphore (limit 40, holds of 20 ms) on Redis, shared with the other process.
 //!
 //! ```text
-//! cargo run --release --example bench_classes -- --redis URL --classes on|off --name NAME
+//! cargo run --release --example bench_classes -- --redis URL --classes on|off --name NAME \
+//!     [--reserve N]   # CRITICAL's reservation with classes on (default 16)
 //! ```
 //!
 //! CRITICAL arrives open-loop at 30 % of capacity (capacity = 40 / 20 ms = 2000 holds/s; this
@@ -48,13 +49,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = arg(&args, "--redis").ok_or("--redis URL is required")?;
     let classes = arg(&args, "--classes").is_none_or(|on| on == "on");
     let name = arg(&args, "--name").unwrap_or_else(|| "bench-classes".into());
+    let reserve: u32 = arg(&args, "--reserve").map_or(Ok(16), |n| n.parse())?;
     let backend = RedisBackend::connect(url.as_str()).await?;
     let mut builder = Semaphore::builder(name)
         .limit(40)
         .acquire_timeout(Duration::from_secs(30))
         .max_waiters(100_000);
     if classes {
-        builder = builder.class(Priority::CRITICAL, Share::reserved(16));
+        builder = builder.class(Priority::CRITICAL, Share::reserved(reserve));
     }
     let sem = builder.build(backend)?;
     let (critical, batch) = if classes {

@@ -85,6 +85,10 @@ if waiting > 0 then
           member .. ' ' .. int(token) .. ' ' .. int(deadline))
       end
     end
+    if blocked and not shares then
+      -- Without shares nothing of a lower class fits where this one does not.
+      break
+    end
     local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf', 'WITHSCORES',
       'LIMIT', 0, 1)[2]
     rank = after and math.floor(tonumber(after) / RANK)
