@@ -252,32 +252,24 @@ mod tests {
     fn a_reservation_is_never_lent_and_a_cap_never_passed() {
         let classes = gpu();
         let mut held = [0; 8];
-        // 70 free for everyone else while CRITICAL holds nothing.
-        assert_eq!(
-            classes.room(Priority::NORMAL, 70, 0, &held, 100),
-            Room::Fits
-        );
-        assert_eq!(
-            classes.room(Priority::NORMAL, 71, 0, &held, 100),
-            Room::Full
-        );
-        assert_eq!(
-            classes.room(Priority::CRITICAL, 100, 0, &held, 100),
-            Room::Fits
-        );
-        held[usize::from(Priority::BATCH.level())] = 60;
-        assert_eq!(
-            classes.room(Priority::BATCH, 1, 60, &held, 100),
-            Room::Capped
-        );
-        assert_eq!(
-            classes.room(Priority::NORMAL, 10, 60, &held, 100),
-            Room::Fits
-        );
-        assert_eq!(
-            classes.room(Priority::NORMAL, 11, 60, &held, 100),
-            Room::Full
-        );
+        // (class, weight, used, BATCH holds, what it finds): 70 free for everyone else while
+        // CRITICAL holds nothing; BATCH at its cap holds up nobody else.
+        let cases = [
+            (Priority::NORMAL, 70, 0, 0, Room::Fits),
+            (Priority::NORMAL, 71, 0, 0, Room::Full),
+            (Priority::CRITICAL, 100, 0, 0, Room::Fits),
+            (Priority::BATCH, 1, 60, 60, Room::Capped),
+            (Priority::NORMAL, 10, 60, 60, Room::Fits),
+            (Priority::NORMAL, 11, 60, 60, Room::Full),
+        ];
+        for (class, weight, used, batch, room) in cases {
+            held[usize::from(Priority::BATCH.level())] = batch;
+            assert_eq!(
+                classes.room(class, weight, used, &held, 100),
+                room,
+                "{class} {weight}"
+            );
+        }
         assert!(classes.within_reservation(Priority::CRITICAL, 30, &held));
         assert!(!classes.within_reservation(Priority::CRITICAL, 31, &held));
         assert_eq!(classes.most(Priority::BATCH, 100), 60);
