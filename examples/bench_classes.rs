@@ -10,7 +10,9 @@
 //! process offers half: 300/s), each acquire bounded by 200 ms. BATCH comes from 10 tenants,
 //! tenant 0 sending 10× each other's: closed-loop workers, 8 in this process before and after
 //! the spike, 240 during it (12 × the limit across both processes). Phases: 6 s before, 10 s
-//! spike, 4 s after. With `--classes off` every request is NORMAL (today's FIFO line).
+//! spike, 4 s after. BATCH requests name their tenant (`Ask::tenant`), so tenants are served
+//! in turn. With `--classes off` every request is NORMAL, without a tenant (today's FIFO
+//! line).
 //!
 //! Prints one line: `before <waits µs,...> spike <waits µs,...> offered <n> admitted <n>
 //! batch <grants> flooder <grants> busy <mean in flight during the spike>`, CRITICAL's waits of
@@ -77,13 +79,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let steady = i < 8;
         // 19 shares: tenant 0 has 10 of them, tenants 1..=9 one each.
         let flooding = i % 19 < 10;
+        // With classes on, each BATCH request names its tenant, so tenants are served in turn.
+        let ask = match (
+            classes && std::env::var_os("NO_TENANTS").is_none(),
+            flooding,
+        ) {
+            (false, _) => Ask::new().priority(batch),
+            (true, true) => Ask::new().priority(batch).tenant("tenant-0"),
+            (true, false) => Ask::new()
+                .priority(batch)
+                .tenant(format!("tenant-{}", i % 19 - 9)),
+        };
         workers.push(tokio::spawn(async move {
             if !steady {
                 tokio::time::sleep_until(spike_at).await;
             }
             let until = if steady { end } else { spike_end };
             while Instant::now() < until {
-                let Ok(permit) = sem.acquire_with(Ask::new().priority(batch)).await else {
+                let Ok(permit) = sem.acquire_with(ask.clone()).await else {
                     continue;
                 };
                 let now = Instant::now();

@@ -2,7 +2,8 @@
 
 use crate::Priority;
 
-/// What a request asks of a semaphore: how many permits, as one holder, and its class.
+/// What a request asks of a semaphore: how many permits, as one holder, its class, and its
+/// tenant.
 ///
 /// An [`Admit`](crate::layer::Admit) returns one for each request the layer admits.
 ///
@@ -11,15 +12,18 @@ use crate::Priority;
 /// ```
 /// use tower_distributed_limit::{Ask, Priority};
 ///
-/// let ask = Ask::new().weight(3).priority(Priority::BATCH);
+/// let ask = Ask::new().weight(3).priority(Priority::BATCH).tenant("customer-42");
 /// assert_eq!((ask.permits(), ask.class()), (3, Priority::BATCH));
+/// assert_eq!(ask.tenant_id(), Ask::new().tenant("customer-42").tenant_id());
 /// assert_eq!((Ask::new().permits(), Ask::new().class()), (1, Priority::NORMAL));
+/// assert_eq!(Ask::new().tenant_id(), None);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
 pub struct Ask {
     weight: u32,
     priority: Priority,
+    tenant: Option<u64>,
 }
 
 impl Default for Ask {
@@ -27,6 +31,7 @@ impl Default for Ask {
         Ask {
             weight: 1,
             priority: Priority::NORMAL,
+            tenant: None,
         }
     }
 }
@@ -47,6 +52,29 @@ impl Ask {
     /// ([`SemaphoreBuilder::class`](crate::SemaphoreBuilder::class)).
     pub fn priority(self, priority: Priority) -> Self {
         Ask { priority, ..self }
+    }
+
+    /// Its tenant: inside its class, tenants are served in turn (one tenant's flood waits
+    /// behind every other tenant's next request), and each holds at most the semaphore's
+    /// per-tenant cap ([`SemaphoreBuilder::per_tenant`](crate::SemaphoreBuilder::per_tenant)).
+    ///
+    /// `key` is request data and may be anything (empty, 10 KB, NUL bytes, braces): only 64
+    /// bits of its SHA-1 travel and are stored, so every process maps one key to one tenant
+    /// and no key can reach the backend's key space. Two keys sharing those bits are served as
+    /// one tenant: among a million tenants, the chance that any two do is about 3 × 10⁻⁸.
+    pub fn tenant(self, key: impl AsRef<[u8]>) -> Self {
+        let digest = sha1_smol::Sha1::from(key.as_ref()).digest().bytes();
+        let mut head = [0; 8];
+        head.copy_from_slice(&digest[..8]);
+        Ask {
+            tenant: Some(u64::from_be_bytes(head)),
+            ..self
+        }
+    }
+
+    /// Its tenant as the backend knows it (64 bits of its key's SHA-1), if it has one.
+    pub fn tenant_id(&self) -> Option<u64> {
+        self.tenant
     }
 
     /// Its class.

@@ -104,6 +104,8 @@ pub(crate) enum Room {
     Fits,
     /// Its class holds all it may (`at_most`): the other classes are not held up by it.
     Capped,
+    /// Its tenant holds all it may (`per_tenant`): its class's other tenants are not held up.
+    TenantCapped,
     /// The pool the reservations leave is full: lower classes wait behind it (but for their
     /// own reservations).
     Full,
@@ -115,6 +117,8 @@ pub(crate) enum Room {
 pub struct Classes {
     reserved: [u32; 8],
     at_most: [Option<u32>; 8],
+    /// What each tenant may hold (`SemaphoreBuilder::per_tenant`); checked at build.
+    per_tenant: Option<Share>,
 }
 
 impl Classes {
@@ -126,9 +130,23 @@ impl Classes {
         }
     }
 
-    /// Whether any class has a share (else every class shares the whole limit).
+    pub(crate) fn set_tenant(&mut self, share: Share) {
+        self.per_tenant = Some(share);
+    }
+
+    /// Whether any class or tenant has a share (else every class shares the whole limit).
     pub(crate) fn any(&self) -> bool {
-        self.reserved.iter().any(|&n| n > 0) || self.at_most.iter().any(Option::is_some)
+        self.reserved.iter().any(|&n| n > 0)
+            || self.at_most.iter().any(Option::is_some)
+            || self.per_tenant.is_some()
+    }
+
+    /// The most one tenant may hold at once.
+    pub(crate) fn tenant_cap(&self) -> Option<u32> {
+        match self.per_tenant?.0 {
+            ShareKind::AtMost(n) => Some(n),
+            ShareKind::Reserved(_) => None,
+        }
     }
 
     pub(crate) fn reserved(&self, priority: Priority) -> u32 {
@@ -144,25 +162,38 @@ impl Classes {
         self.reserved.iter().map(|&n| u64::from(n)).sum()
     }
 
-    /// The most a request of `priority` may ever hold under `limit`: its class's cap, and the
-    /// limit less what the other classes reserve.
-    pub(crate) fn most(&self, priority: Priority, limit: u32) -> u32 {
+    /// The most a request of `priority` (of a tenant, if `tenant`) may ever hold under
+    /// `limit`: its class's cap, its tenant's, and the limit less what the other classes
+    /// reserve.
+    pub(crate) fn most(&self, priority: Priority, tenant: bool, limit: u32) -> u32 {
         let others = self.reserved_total() - u64::from(self.reserved(priority));
         let pool = u64::from(limit).saturating_sub(others);
-        let most = u32::try_from(pool).unwrap_or(u32::MAX);
-        self.at_most(priority).map_or(most, |cap| most.min(cap))
+        let mut most = u32::try_from(pool).unwrap_or(u32::MAX);
+        if let Some(cap) = self.at_most(priority) {
+            most = most.min(cap);
+        }
+        match self.tenant_cap() {
+            Some(cap) if tenant => most.min(cap),
+            _ => most,
+        }
     }
 
     /// Whether one request of `priority` holding `weight` fits beside what is held: `used`
-    /// in all, `held[level]` by each class.
+    /// in all, `held[level]` by each class, and `tenant` by its tenant (if it has one).
     pub(crate) fn room(
         &self,
         priority: Priority,
         weight: u32,
         used: u32,
         held: &[u32; 8],
+        tenant: Option<u32>,
         limit: u32,
     ) -> Room {
+        if let (Some(held), Some(cap)) = (tenant, self.tenant_cap())
+            && u64::from(held) + u64::from(weight) > u64::from(cap)
+        {
+            return Room::TenantCapped;
+        }
         let level = usize::from(priority.level());
         let mine = u64::from(held[level]) + u64::from(weight);
         if self.at_most[level].is_some_and(|cap| mine > u64::from(cap)) {
@@ -200,6 +231,21 @@ impl Classes {
                 self.reserved_total()
             )));
         }
+        match self.per_tenant.map(|share| share.0) {
+            Some(ShareKind::Reserved(_)) => {
+                return Err(Error::config(format!(
+                    "semaphore {semaphore:?}: a tenant cannot reserve permits (tenants are \
+                     request data, without bound); give per_tenant a Share::at_most"
+                )));
+            }
+            Some(ShareKind::AtMost(0)) => {
+                return Err(Error::config(format!(
+                    "semaphore {semaphore:?}: each tenant may hold at most 0 permits, which \
+                     admits none; give per_tenant at least 1"
+                )));
+            }
+            _ => {}
+        }
         for level in 0..=Priority::MAX {
             let priority = Priority::new(level);
             if self.at_most(priority) == Some(0) {
@@ -221,8 +267,8 @@ impl Classes {
         Ok(())
     }
 
-    /// The shares as the Redis script reads them: `<level>r<n>` and `<level>m<n>`, joined by
-    /// commas (empty without shares).
+    /// The shares as the Redis script reads them: `<level>r<n>` and `<level>m<n>`, then
+    /// `tm<n>` for the per-tenant cap, joined by commas (empty without shares).
     pub(crate) fn encode(&self) -> String {
         let mut parts = Vec::new();
         for level in 0..8 {
@@ -233,7 +279,35 @@ impl Classes {
                 parts.push(format!("{level}m{cap}"));
             }
         }
+        if let Some(cap) = self.tenant_cap() {
+            parts.push(format!("tm{cap}"));
+        }
         parts.join(",")
+    }
+
+    /// The shares [`encode`](Self::encode) wrote (as stored with a semaphore); parts it does
+    /// not know are skipped.
+    pub(crate) fn decode(text: &str) -> Self {
+        let mut classes = Classes::default();
+        for part in text.split(',') {
+            // Bytes: a stored text is not trusted to split at a character boundary.
+            let (head, n) = part.as_bytes().split_at(part.len().min(2));
+            let n = std::str::from_utf8(n).ok().and_then(|n| n.parse().ok());
+            let (Some(n), [level, kind]) = (n, head) else {
+                continue;
+            };
+            let share = match kind {
+                b'r' => Share::reserved(n),
+                b'm' => Share::at_most(n),
+                _ => continue,
+            };
+            match level {
+                b't' => classes.set_tenant(share),
+                b'0'..=b'7' => classes.set(Priority::new(level - b'0'), share),
+                _ => {}
+            }
+        }
+        classes
     }
 }
 
@@ -265,16 +339,37 @@ mod tests {
         for (class, weight, used, batch, room) in cases {
             held[usize::from(Priority::BATCH.level())] = batch;
             assert_eq!(
-                classes.room(class, weight, used, &held, 100),
+                classes.room(class, weight, used, &held, None, 100),
                 room,
                 "{class} {weight}"
             );
         }
         assert!(classes.within_reservation(Priority::CRITICAL, 30, &held));
         assert!(!classes.within_reservation(Priority::CRITICAL, 31, &held));
-        assert_eq!(classes.most(Priority::BATCH, 100), 60);
-        assert_eq!(classes.most(Priority::NORMAL, 100), 70);
+        assert_eq!(classes.most(Priority::BATCH, false, 100), 60);
+        assert_eq!(classes.most(Priority::NORMAL, false, 100), 70);
         assert_eq!(classes.encode(), "2m60,6r30");
+    }
+
+    #[test]
+    fn a_tenant_never_passes_its_cap_and_holds_up_nobody() {
+        let mut classes = gpu();
+        classes.set_tenant(Share::at_most(10));
+        let held = [0; 8];
+        let room = |tenant, weight| classes.room(Priority::NORMAL, weight, 0, &held, tenant, 100);
+        assert_eq!(room(Some(9), 1), Room::Fits);
+        assert_eq!(room(Some(10), 1), Room::TenantCapped);
+        // Without a tenant, the cap does not apply.
+        assert_eq!(room(None, 20), Room::Fits);
+        assert_eq!(classes.most(Priority::NORMAL, true, 100), 10);
+        assert_eq!(classes.most(Priority::NORMAL, false, 100), 70);
+        assert_eq!(classes.encode(), "2m60,6r30,tm10");
+        assert_eq!(Classes::decode(&classes.encode()), classes);
+        assert_eq!(Classes::decode("junk,9r1,,6x2,a€"), Classes::default());
+        classes.set_tenant(Share::reserved(1));
+        assert!(classes.check("gpu", 100).is_err());
+        classes.set_tenant(Share::at_most(0));
+        assert!(classes.check("gpu", 100).is_err());
     }
 
     #[test]

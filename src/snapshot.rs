@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use crate::Priority;
+use crate::class::Classes;
+
 /// A semaphore now, across every process: the limit every process admits by, the weight held,
 /// how many wait, and every holder.
 ///
@@ -17,6 +20,7 @@ use std::time::Duration;
 /// assert_eq!((snap.limit, snap.used, snap.waiting), (3, 2, 0));
 /// assert_eq!(snap.holders[0].id, permit.id());
 /// assert_eq!(snap.holders[0].weight, 2);
+/// assert_eq!(snap.classes[0].used, 2); // NORMAL, the only class that holds
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,6 +37,86 @@ pub struct Snapshot {
     pub pinned: bool,
     /// Every live holder, longest-held first.
     pub holders: Vec<Holder>,
+    /// Each class that has a share, holds or waits, highest first (see
+    /// [`SemaphoreBuilder::class`](crate::SemaphoreBuilder::class)).
+    pub classes: Vec<ClassSnapshot>,
+    /// The tenants with the most waiters, most first: at most [`TENANTS_SHOWN`], counted on
+    /// Redis among the first 1 000 tenant waiters (bounded, whatever the line holds). Empty on
+    /// a quorum, which does not serve tenants in turn.
+    pub tenants_waiting: Vec<TenantWaiting>,
+}
+
+/// How many tenants a [`Snapshot`] names at most.
+pub const TENANTS_SHOWN: usize = 16;
+
+/// One class in a [`Snapshot`]: its share of the limit, what it holds and how many of it wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClassSnapshot {
+    /// The class.
+    pub class: Priority,
+    /// The permits only it may take ([`Share::reserved`](crate::Share::reserved); 0: none).
+    pub reserved: u32,
+    /// The most it may hold ([`Share::at_most`](crate::Share::at_most)), if capped.
+    pub at_most: Option<u32>,
+    /// The weight its holders hold.
+    pub used: u32,
+    /// How many of it wait in line, across every process (0 on a quorum, which does not tell).
+    pub waiting: u32,
+}
+
+/// A tenant with waiters, in a [`Snapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TenantWaiting {
+    /// The tenant, as [`Ask::tenant_id`](crate::Ask::tenant_id) names it (its key is never
+    /// stored).
+    pub tenant: u64,
+    /// How many of its requests wait, in every class.
+    pub waiting: u32,
+}
+
+impl Snapshot {
+    /// Completes a backend's snapshot: each class's share (from `classes`) and weight held
+    /// (from the holders), beside the waiting counts the backend found (`waiting[level]`),
+    /// and the busiest of the tenants' waiting counts (`tenants`).
+    pub(crate) fn complete(
+        &mut self,
+        classes: &Classes,
+        waiting: [u32; 8],
+        tenants: impl IntoIterator<Item = (u64, u32)>,
+    ) {
+        let mut used = [0u32; 8];
+        for holder in &self.holders {
+            let level = usize::from(holder.class.level());
+            used[level] = used[level].saturating_add(holder.weight);
+        }
+        self.classes = (0..=Priority::MAX)
+            .rev()
+            .map(Priority::new)
+            .map(|class| {
+                let level = usize::from(class.level());
+                ClassSnapshot {
+                    class,
+                    reserved: classes.reserved(class),
+                    at_most: classes.at_most(class),
+                    used: used[level],
+                    waiting: waiting[level],
+                }
+            })
+            .filter(|class| {
+                class.reserved > 0 || class.at_most.is_some() || class.used > 0 || class.waiting > 0
+            })
+            .collect();
+        let mut tenants: Vec<TenantWaiting> = tenants
+            .into_iter()
+            .filter(|&(_, waiting)| waiting > 0)
+            .map(|(tenant, waiting)| TenantWaiting { tenant, waiting })
+            .collect();
+        tenants.sort_by_key(|tenant| (std::cmp::Reverse(tenant.waiting), tenant.tenant));
+        tenants.truncate(TENANTS_SHOWN);
+        self.tenants_waiting = tenants;
+    }
 }
 
 /// One holder in a [`Snapshot`].
@@ -54,5 +138,5 @@ pub struct Holder {
     /// else within 30 s).
     pub process: String,
     /// Its class ([`Priority::NORMAL`](crate::Priority::NORMAL) unless it asked for another).
-    pub class: crate::Priority,
+    pub class: Priority,
 }

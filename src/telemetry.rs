@@ -6,8 +6,8 @@
 //!
 //! | name | kind | labels / meaning |
 //! |---|---|---|
-//! | `dlimit_acquire_total` | counter | `result` = `acquired` \| `timeout` \| `rejected` \| `backend_error` \| `degraded` \| `too_many_waiters` |
-//! | `dlimit_acquire_wait_seconds` | histogram | time from asking to holding (acquired ones) |
+//! | `dlimit_acquire_total` | counter | `result` = `acquired` \| `timeout` \| `rejected` \| `backend_error` \| `degraded` \| `too_many_waiters`; `class` = the request's class (`critical`, `normal`, `batch`, `level-<n>`: eight at most, never a tenant) |
+//! | `dlimit_acquire_wait_seconds` | histogram | time from asking to holding (acquired ones); `class` as above |
 //! | `dlimit_permit_hold_seconds` | histogram | time from granted to released |
 //! | `dlimit_permits_held` | gauge | weight this process holds now |
 //! | `dlimit_waiters` | gauge | this process's waiters now |
@@ -23,6 +23,7 @@
 
 use std::time::Duration;
 
+use crate::Priority;
 use crate::backend::RateDecision;
 
 /// The reports of one semaphore (cheap to clone). Its metric handles are registered once,
@@ -37,9 +38,9 @@ pub(crate) struct Telemetry {
 #[cfg(feature = "metrics")]
 #[derive(Debug)]
 struct Handles {
-    /// `dlimit_acquire_total`, one per result, in `Outcome` order.
-    acquired: [metrics::Counter; 6],
-    wait: metrics::Histogram,
+    semaphore: metrics::SharedString,
+    /// Each class's, by level, registered when the class is first seen (NORMAL at once).
+    classes: [std::sync::OnceLock<ClassHandles>; 8],
     hold: metrics::Histogram,
     held: metrics::Gauge,
     waiters: metrics::Gauge,
@@ -47,6 +48,30 @@ struct Handles {
     lease_lost: metrics::Counter,
     /// `dlimit_backend_errors_total`, one per operation, in `OPS` order.
     backend_errors: [metrics::Counter; 4],
+}
+
+/// The metrics of one class of a semaphore.
+#[cfg(feature = "metrics")]
+#[derive(Debug)]
+struct ClassHandles {
+    /// `dlimit_acquire_total`, one per result, in `Outcome` order.
+    acquired: [metrics::Counter; 6],
+    wait: metrics::Histogram,
+}
+
+#[cfg(feature = "metrics")]
+impl Handles {
+    fn class(&self, class: Priority) -> &ClassHandles {
+        self.classes[usize::from(class.level())].get_or_init(|| {
+            let (semaphore, class) = (self.semaphore.clone(), class.to_string());
+            ClassHandles {
+                acquired: OUTCOMES.map(|result| {
+                    metrics::counter!("dlimit_acquire_total", "semaphore" => semaphore.clone(), "result" => result, "class" => class.clone())
+                }),
+                wait: metrics::histogram!("dlimit_acquire_wait_seconds", "semaphore" => semaphore.clone(), "class" => class.clone()),
+            }
+        })
+    }
 }
 
 /// The backend operations `dlimit_backend_errors_total` tells apart.
@@ -167,12 +192,9 @@ impl Telemetry {
             describe();
             let semaphore = metrics::SharedString::from(label.to_owned());
             let label = || semaphore.clone();
-            Telemetry {
-                handles: std::sync::Arc::new(Handles {
-                    acquired: OUTCOMES.map(|result| {
-                        metrics::counter!("dlimit_acquire_total", "semaphore" => label(), "result" => result)
-                    }),
-                    wait: metrics::histogram!("dlimit_acquire_wait_seconds", "semaphore" => label()),
+            let handles = Handles {
+                semaphore: label(),
+                classes: Default::default(),
                     hold: metrics::histogram!("dlimit_permit_hold_seconds", "semaphore" => label()),
                     held: metrics::gauge!("dlimit_permits_held", "semaphore" => label()),
                     waiters: metrics::gauge!("dlimit_waiters", "semaphore" => label()),
@@ -181,21 +203,25 @@ impl Telemetry {
                     backend_errors: OPS.map(|op| {
                         metrics::counter!("dlimit_backend_errors_total", "semaphore" => label(), "op" => op)
                     }),
-                }),
+            };
+            handles.class(Priority::NORMAL);
+            Telemetry {
+                handles: std::sync::Arc::new(handles),
             }
         }
         #[cfg(not(feature = "metrics"))]
         Telemetry {}
     }
 
-    /// An acquire or try_acquire ended; `wait` counts for the acquired ones.
+    /// An acquire or try_acquire of `class` ended; `wait` counts for the acquired ones.
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-    pub(crate) fn acquire(&self, outcome: Outcome, wait: Duration) {
+    pub(crate) fn acquire(&self, class: Priority, outcome: Outcome, wait: Duration) {
         #[cfg(feature = "metrics")]
         {
-            self.handles.acquired[outcome as usize].increment(1);
+            let handles = self.handles.class(class);
+            handles.acquired[outcome as usize].increment(1);
             if matches!(outcome, Outcome::Acquired | Outcome::Degraded) {
-                self.handles.wait.record(wait.as_secs_f64());
+                handles.wait.record(wait.as_secs_f64());
             }
         }
     }

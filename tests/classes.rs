@@ -332,3 +332,38 @@ async fn the_layer_serves_the_class_priority_by_gives(backend: impl Backend) {
     }
     assert_eq!(*order.lock().unwrap(), ["critical", "batch"]);
 }
+
+on_both_backends!(an_http_refusal_names_the_class_that_was_full);
+
+/// Through the HTTP layer: a refusal for want of a permit says which class it was.
+async fn an_http_refusal_names_the_class_that_was_full(backend: impl Backend) {
+    use http::Request;
+    use tower::ServiceExt;
+    use tower_distributed_limit::DistributedConcurrencyLimitLayer;
+    use tower_distributed_limit::layer::CLASS_HEADER;
+
+    let sem = Semaphore::builder("refused-class")
+        .limit(1)
+        .acquire_timeout(Duration::from_millis(50))
+        .build(backend)
+        .unwrap();
+    let svc = tower::ServiceBuilder::new()
+        .layer(
+            DistributedConcurrencyLimitLayer::new(sem.clone())
+                .http()
+                .priority_by(|request: &Request<String>| match request.uri().path() {
+                    "/batch" => Priority::BATCH,
+                    _ => Priority::CRITICAL,
+                }),
+        )
+        .service(tower::service_fn(|_: Request<String>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        }));
+    let _held = sem.acquire().await.unwrap();
+    for (path, class) in [("/batch", "batch"), ("/chat", "critical")] {
+        let request = Request::builder().uri(path).body(String::new()).unwrap();
+        let response = svc.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), 503);
+        assert_eq!(response.headers()[CLASS_HEADER], class);
+    }
+}

@@ -306,3 +306,44 @@ async fn exit_codes_tell_refusal_usage_and_an_unreachable_redis_apart() {
         refused(&output, code);
     }
 }
+
+/// `show` gives each class's share, use and line, and the tenants waiting most, as stored
+/// with the semaphore (the command line was built without the shares).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_tells_the_classes_and_the_tenants_waiting() {
+    use tower_distributed_limit::{Ask, Priority, Share};
+
+    let redis = Redis::start().await;
+    let gpu = Semaphore::builder("gpu")
+        .limit(2)
+        .class(Priority::CRITICAL, Share::reserved(1))
+        .build(redis.backend().await)
+        .unwrap();
+    let _held = gpu.acquire().await.unwrap();
+    let acme = Ask::new().priority(Priority::BATCH).tenant("acme");
+    let waiter = {
+        let (gpu, acme) = (gpu.clone(), acme.clone());
+        tokio::spawn(async move { gpu.acquire_with(acme).await.map(drop) })
+    };
+    support::eventually(Duration::from_secs(5), "the waiter in line", || async {
+        gpu.snapshot().await.unwrap().waiting == 1
+    })
+    .await;
+    let show = stdout(&dlimit(&redis, &["show", "gpu"]).await);
+    assert!(
+        show.contains("class critical: 0 used, 0 waiting, 1 reserved"),
+        "{show}"
+    );
+    assert!(show.contains("class batch: 0 used, 1 waiting"), "{show}");
+    let tenant = format!("{:016x}", acme.tenant_id().unwrap());
+    assert!(
+        show.contains(&format!("tenant {tenant}: 1 waiting")),
+        "{show}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&dlimit(&redis, &["show", "gpu", "--json"]).await)).unwrap();
+    assert_eq!(json["classes"][0]["class"], "critical");
+    assert_eq!(json["classes"][0]["reserved"], 1);
+    assert_eq!(json["tenants_waiting"][0]["tenant"], tenant);
+    waiter.abort();
+}

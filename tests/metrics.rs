@@ -12,8 +12,8 @@ use std::time::Duration;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tower::ServiceExt;
 use tower_distributed_limit::{
-    DistributedConcurrencyLimitLayer, Error, MemoryBackend, OutagePolicy, Partitions, RateLimiter,
-    RedisBackend, Semaphore,
+    Ask, DistributedConcurrencyLimitLayer, Error, MemoryBackend, OutagePolicy, Partitions,
+    Priority, RateLimiter, RedisBackend, Semaphore,
 };
 
 use support::{Redis, eventually};
@@ -83,7 +83,7 @@ async fn every_metric_is_emitted_with_its_labels() {
     let result = |name, result| {
         metrics.get(
             "dlimit_acquire_total",
-            &[("semaphore", name), ("result", result)],
+            &[("semaphore", name), ("result", result), ("class", "normal")],
         )
     };
     let acquired = |name| result(name, "acquired");
@@ -97,7 +97,10 @@ async fn every_metric_is_emitted_with_its_labels() {
         .unwrap();
     let held = sem.acquire().await.unwrap();
     assert_eq!(
-        metrics.get("dlimit_acquire_wait_seconds", &[("semaphore", "m")]),
+        metrics.get(
+            "dlimit_acquire_wait_seconds",
+            &[("semaphore", "m"), ("class", "normal")]
+        ),
         1.0
     );
     assert_eq!(acquired("m"), 1.0);
@@ -166,6 +169,31 @@ async fn every_metric_is_emitted_with_its_labels() {
             .iter()
             .all(|value| !value.starts_with("tenants:")),
         "a request key became a label"
+    );
+
+    // Acquisitions are counted by class, never by tenant.
+    let classes = Semaphore::builder("classes")
+        .limit(2)
+        .build(MemoryBackend::new())
+        .unwrap();
+    let critical = Ask::new()
+        .priority(Priority::CRITICAL)
+        .tenant("acme-tenant");
+    drop(classes.acquire_with(critical).await.unwrap());
+    assert_eq!(
+        metrics.get(
+            "dlimit_acquire_total",
+            &[
+                ("semaphore", "classes"),
+                ("result", "acquired"),
+                ("class", "critical")
+            ]
+        ),
+        1.0
+    );
+    assert!(
+        (metrics.labels_seen().iter()).all(|value| !value.contains("acme")),
+        "a tenant became a label"
     );
 
     // A lease lost behind the holder's back.

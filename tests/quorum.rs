@@ -523,3 +523,27 @@ async fn an_abstention_that_blocks_a_grant_is_reported_as_such() {
     assert!(clock_ms(&nodes[1]).await >= born + lease.as_millis() as u64);
     assert_eq!(owned_on(&nodes[1], "blocked").await, 1);
 }
+
+/// Shares need one store that sees every class's and tenant's holders: a quorum refuses them
+/// when the semaphore is built, and admits classes and tenants without shares (in arrival
+/// order, as documented).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_refuses_shares_and_admits_classes_and_tenants() {
+    use tower_distributed_limit::{Ask, Priority, Share};
+
+    let (_nodes, urls) = three_nodes().await;
+    let backend = quorum(&urls).await;
+    let reserved = semaphore("shares", 3)
+        .class(Priority::CRITICAL, Share::reserved(1))
+        .build(backend.clone());
+    assert!(matches!(reserved, Err(Error::Config(m)) if m.contains("quorum")));
+    let per_tenant = semaphore("shares", 3)
+        .per_tenant(Share::at_most(1))
+        .build(backend.clone());
+    assert!(matches!(per_tenant, Err(Error::Config(m)) if m.contains("tenants")));
+    let sem = semaphore("plain", 3).build(backend).unwrap();
+    let ask = Ask::new().priority(Priority::BATCH).tenant("acme");
+    let permit = sem.try_acquire_with(ask).await.unwrap().expect("a free slot");
+    assert_eq!(sem.snapshot().await.unwrap().holders[0].class, Priority::BATCH);
+    drop(permit);
+}

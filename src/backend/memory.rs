@@ -1,7 +1,7 @@
 //! Permits in this process only, with the same semantics as Redis: leases, weights, fencing
 //! tokens, and one first-come-first-served line.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -117,11 +117,18 @@ struct Permits {
     /// What each class reserves and may hold (the first semaphore's), and holds now.
     classes: Classes,
     held: [u32; 8],
-    /// The line, by class (highest first) then arrival; `queued` finds a member in it without
-    /// a scan.
+    /// The line, by class (highest first) then arrival; `queued` finds a member in it (or
+    /// parked) without a scan, with its tenant.
     queue: BTreeMap<Place, Member>,
-    queued: HashMap<Arc<str>, Place>,
+    queued: HashMap<Arc<str>, (Place, Option<u64>)>,
     arrivals: u64,
+    /// Tenants are served in turn: only a tenant's head (its oldest waiter of a class) stands
+    /// in `queue`; its later waiters are parked here, by arrival, each placed at `PARKED` plus
+    /// its rank in `queued`. `heads` has the tenant lines with a head in `queue`.
+    parked: HashMap<TenantLine, BTreeMap<u64, Member>>,
+    heads: HashSet<TenantLine>,
+    /// Under a per-tenant cap, what each tenant holds (only those holding some).
+    tenant_held: HashMap<u64, u32>,
     /// After the last settlement, the highest class whose head waits for the pool (a lower
     /// class is admitted only inside its reservation while it waits).
     blocked: Option<u8>,
@@ -129,6 +136,12 @@ struct Permits {
 
 /// A place in line: the class's rank (0 for the highest level), then the arrival.
 type Place = (u8, u64);
+
+/// A parked waiter's rank in `queued` is this plus its class's.
+const PARKED: u8 = 8;
+
+/// One tenant's waiters of one class: the class's rank, and the tenant.
+type TenantLine = (u8, u64);
 
 /// The rank of `priority` in line: higher classes first.
 fn rank(priority: Priority) -> u8 {
@@ -141,6 +154,7 @@ struct Holding {
     lease: Duration,
     granted: Instant,
     priority: Priority,
+    tenant: Option<u64>,
 }
 
 /// A grant made while the lock was held, announced once it is released: member, token and
@@ -162,6 +176,9 @@ impl Permits {
             queue: BTreeMap::new(),
             queued: HashMap::new(),
             arrivals: 0,
+            parked: HashMap::new(),
+            heads: HashSet::new(),
+            tenant_held: HashMap::new(),
             blocked: None,
         }
     }
@@ -172,7 +189,8 @@ impl Permits {
 
     fn room(&self, member: &Member) -> Room {
         let (priority, weight) = (member.priority, member.weight);
-        (self.classes).room(priority, weight, self.used, &self.held, self.limit)
+        let tenant = (member.tenant).map(|tenant| self.tenant_held.get(&tenant).map_or(0, |&n| n));
+        (self.classes).room(priority, weight, self.used, &self.held, tenant, self.limit)
     }
 
     /// Whether `member` is admitted now, if it waited with nobody of its class ahead of it.
@@ -197,6 +215,74 @@ impl Permits {
     fn unhold(&mut self, holding: &Holding) {
         self.used -= holding.weight;
         self.held[Self::level(holding.priority)] -= holding.weight;
+        if let Some(tenant) = holding.tenant
+            && let Some(held) = self.tenant_held.get_mut(&tenant)
+        {
+            *held -= holding.weight;
+            if *held == 0 {
+                self.tenant_held.remove(&tenant);
+            }
+        }
+    }
+
+    /// Puts `member` in line: at the back of its class, or parked behind its tenant's head.
+    fn enqueue(&mut self, member: &Member) {
+        if self.queued.contains_key(&member.text) {
+            return;
+        }
+        let arrival = self.arrivals;
+        self.arrivals += 1;
+        let ranked = rank(member.priority);
+        if let Some(tenant) = member.tenant {
+            let line = (ranked, tenant);
+            if !self.heads.insert(line) {
+                let parked = self.parked.entry(line).or_default();
+                parked.insert(arrival, member.clone());
+                let place = (ranked + PARKED, arrival);
+                self.queued
+                    .insert(member.text.clone(), (place, Some(tenant)));
+                return;
+            }
+        }
+        let place = (ranked, arrival);
+        self.queued
+            .insert(member.text.clone(), (place, member.tenant));
+        self.queue.insert(place, member.clone());
+    }
+
+    /// Takes `member` out of the line (or its parking); a head makes way for its tenant's
+    /// oldest parked waiter, which joins the line at the back.
+    fn unqueue(&mut self, member: &str) -> Option<Member> {
+        let (place, tenant) = self.queued.remove(member)?;
+        if place.0 >= PARKED {
+            let line = (place.0 - PARKED, tenant?);
+            let parked = self.parked.get_mut(&line)?;
+            let member = parked.remove(&place.1);
+            if parked.is_empty() {
+                self.parked.remove(&line);
+            }
+            return member;
+        }
+        let member = self.queue.remove(&place)?;
+        if let Some(tenant) = tenant {
+            let line = (place.0, tenant);
+            let next = self.parked.get_mut(&line).and_then(BTreeMap::pop_first);
+            if self.parked.get(&line).is_some_and(BTreeMap::is_empty) {
+                self.parked.remove(&line);
+            }
+            match next {
+                Some((_, next)) => {
+                    let place = (line.0, self.arrivals);
+                    self.arrivals += 1;
+                    self.queued.insert(next.text.clone(), (place, Some(tenant)));
+                    self.queue.insert(place, next);
+                }
+                None => {
+                    self.heads.remove(&line);
+                }
+            }
+        }
+        Some(member)
     }
 
     fn hold(&mut self, member: &Member, now: Instant, fence: &mut u64) -> u64 {
@@ -206,7 +292,14 @@ impl Permits {
             lease: member.lease,
             granted: now,
             priority: member.priority,
+            // Counted only under a per-tenant cap.
+            tenant: member
+                .tenant
+                .filter(|_| self.classes.tenant_cap().is_some()),
         };
+        if let Some(tenant) = holding.tenant {
+            *self.tenant_held.entry(tenant).or_default() += member.weight;
+        }
         self.holders.insert(member.text.clone(), holding);
         self.used += member.weight;
         self.held[Self::level(member.priority)] += member.weight;
@@ -217,7 +310,8 @@ impl Permits {
 
     /// Drops expired holders, then admits waiters: each class in turn, highest first, in
     /// arrival order while its oldest fits. A class whose oldest waits for the pool holds the
-    /// lower classes to their reservations; one at its cap holds up nobody else.
+    /// lower classes to their reservations; one at its cap holds up nobody else, and a tenant
+    /// at its cap is passed over.
     fn settle(&mut self, now: Instant, fence: &mut u64, grants: &mut Vec<Grant>) {
         let expired: Vec<Arc<str>> = (self.holders.iter())
             .filter(|(_, holding)| holding.deadline <= now)
@@ -231,26 +325,32 @@ impl Permits {
         self.blocked = None;
         let mut from: Place = (0, 0);
         while let Some((&(ranked, _), _)) = self.queue.range(from..).next() {
-            while let Some(head) = self.queue.range((ranked, 0)..=(ranked, u64::MAX)).next() {
-                let (&place, member) = head;
-                if member.weight > self.classes.most(member.priority, self.limit) {
-                    // Heavier than its class may ever hold under the limit now in force: it
-                    // would block the line for ever. Dropped, it learns at its next refresh
-                    // and is refused.
-                    let member = self.queue.remove(&place).map(|member| member.text);
-                    member.map(|member| self.queued.remove(&member));
+            let mut cursor = (ranked, 0);
+            while let Some((&place, member)) = self.queue.range(cursor..=(ranked, u64::MAX)).next()
+            {
+                let text = member.text.clone();
+                let tenant = member.tenant.is_some();
+                if member.weight > self.classes.most(member.priority, tenant, self.limit) {
+                    // Heavier than its class (or tenant) may ever hold under the limit now in
+                    // force: it would block the line for ever. Dropped, it learns at its next
+                    // refresh and is refused.
+                    self.unqueue(&text);
+                    continue;
+                }
+                let room = self.room(member);
+                if room == Room::TenantCapped {
+                    cursor = (ranked, place.1 + 1);
                     continue;
                 }
                 if !self.admits(member) {
-                    if self.room(member) != Room::Capped {
+                    if room != Room::Capped {
                         self.blocked = self.blocked.or(Some(ranked));
                     }
                     break;
                 }
-                let Some(member) = self.queue.remove(&place) else {
+                let Some(member) = self.unqueue(&text) else {
                     break;
                 };
-                self.queued.remove(&member.text);
                 let token = self.hold(&member, now, fence);
                 grants.push((member.text, token, now + member.lease));
             }
@@ -402,7 +502,8 @@ impl Store for MemorySemaphore {
                     rate: None,
                 };
             }
-            let most = permits.classes.most(member.priority, permits.limit);
+            let tenant = member.tenant.is_some();
+            let most = permits.classes.most(member.priority, tenant, permits.limit);
             if member.weight > most {
                 return Attempt::TooHeavy { limit: most };
             }
@@ -417,13 +518,7 @@ impl Store for MemorySemaphore {
             if mode == Mode::Once {
                 return Attempt::Full;
             }
-            if !permits.queued.contains_key(&member.text) {
-                let arrival = permits.arrivals;
-                permits.arrivals += 1;
-                let place = (rank(member.priority), arrival);
-                permits.queued.insert(member.text.clone(), place);
-                permits.queue.insert(place, member.clone());
-            }
+            permits.enqueue(member);
             Attempt::Queued {
                 retry_in: permits.retry_in(now, member.lease),
                 clock: ClockReading {
@@ -460,8 +555,8 @@ impl Store for MemorySemaphore {
                     );
                 }
                 permits.unhold(&holding);
-            } else if let Some(place) = permits.queued.remove(&member.text) {
-                permits.queue.remove(&place);
+            } else {
+                permits.unqueue(&member.text);
             }
         });
     }
@@ -506,13 +601,27 @@ impl Store for MemorySemaphore {
                 })
                 .collect();
             holders.sort_by_key(|(granted, _)| *granted);
-            Snapshot {
+            let mut waiting = [0u32; 8];
+            let mut tenants: HashMap<u64, u32> = HashMap::new();
+            for &((ranked, _), tenant) in permits.queued.values() {
+                // (A parked waiter's rank is `PARKED`, 8, above its class's.)
+                let level = usize::from(Priority::MAX - ranked % PARKED);
+                waiting[level] += 1;
+                if let Some(tenant) = tenant {
+                    *tenants.entry(tenant).or_default() += 1;
+                }
+            }
+            let mut snapshot = Snapshot {
                 limit: permits.limit,
                 used: permits.used,
-                waiting: u32::try_from(permits.queue.len()).unwrap_or(u32::MAX),
+                waiting: u32::try_from(permits.queued.len()).unwrap_or(u32::MAX),
                 pinned: permits.pinned,
                 holders: holders.into_iter().map(|(_, holder)| holder).collect(),
-            }
+                classes: Vec::new(),
+                tenants_waiting: Vec::new(),
+            };
+            snapshot.complete(&permits.classes, waiting, tenants);
+            snapshot
         });
         Box::pin(async move { Ok(snapshot) })
     }

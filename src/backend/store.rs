@@ -51,14 +51,16 @@ pub struct Opened {
 }
 
 /// One acquisition's identity in a backend: `"<random id>:<weight>:<lease ms>"`, with
-/// `:c<level>` after the id for a class other than [`Priority::NORMAL`], so any process that
-/// admits it from the line knows its class, weight and lease. Equal when the text is.
+/// `:c<level>` after the id for a class other than [`Priority::NORMAL`] and then `:t<16 hex>`
+/// for a tenant, so any process that admits it from the line knows its class, tenant, weight
+/// and lease. Equal when the text is.
 #[derive(Clone, Debug)]
 pub(crate) struct Member {
     pub(crate) text: Arc<str>,
     pub(crate) weight: u32,
     pub(crate) lease: Duration,
     pub(crate) priority: Priority,
+    pub(crate) tenant: Option<u64>,
 }
 
 /// The random id's length: 128 bits in hex.
@@ -124,27 +126,32 @@ impl Member {
         if priority != Priority::NORMAL {
             let _ = write!(text, ":c{}", priority.level());
         }
+        if let Some(tenant) = ask.tenant_id() {
+            let _ = write!(text, ":t{tenant:016x}");
+        }
         let _ = write!(text, ":{weight}:{}", lease.as_millis());
         Member {
             text: text.into(),
             weight,
             lease,
             priority,
+            tenant: ask.tenant_id(),
         }
     }
 
     /// A member's text read back (from a backend's snapshot): its id, class and weight.
     pub(crate) fn read(text: &str) -> Option<(&str, Priority, u32)> {
-        let mut parts = text.rsplit(':');
-        let _lease = parts.next()?;
-        let weight = parts.next()?.parse().ok()?;
-        let id_or_class = parts.next()?;
-        match id_or_class.strip_prefix('c') {
-            Some(level) if parts.clone().next().is_some() => {
-                Some((parts.next()?, Priority::new(level.parse().ok()?), weight))
+        let (head, _lease) = text.rsplit_once(':')?;
+        let (head, weight) = head.rsplit_once(':')?;
+        let mut parts = head.split(':');
+        let id = parts.next()?;
+        let mut priority = Priority::NORMAL;
+        for part in parts {
+            if let Some(level) = part.strip_prefix('c') {
+                priority = Priority::new(level.parse().ok()?);
             }
-            _ => Some((id_or_class, Priority::NORMAL, weight)),
         }
+        Some((id, priority, weight.parse().ok()?))
     }
 
     /// The random id alone.
@@ -313,6 +320,14 @@ mod tests {
         assert_eq!(
             Member::read(&plain.text),
             Some((plain.id(), Priority::NORMAL, 3))
+        );
+        let tenant = crate::Ask::new().priority(Priority::BATCH).tenant("acme");
+        let member = Member::asking(&tenant, Duration::from_millis(900));
+        let hex = format!(":c2:t{:016x}:1:900", tenant.tenant_id().unwrap_or_default());
+        assert_eq!(&member.text[ID_LEN..], hex);
+        assert_eq!(
+            Member::read(&member.text),
+            Some((member.id(), Priority::BATCH, 1))
         );
         assert_eq!(Member::read("junk"), None);
     }

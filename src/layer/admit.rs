@@ -1,6 +1,7 @@
 //! The per-request decision, named once: which semaphore a request counts against and what it
 //! asks of it ([`Admit`]), with the pieces the layer's builder methods put together.
 
+use super::PartitionKey;
 use crate::{Ask, Error, Priority, Semaphore};
 
 /// For one request: the semaphore it counts against and what it asks of it. The layer's
@@ -175,6 +176,50 @@ where
     }
 }
 
+/// An admission whose requests belong to the tenant `K` reads from each (a header's value,
+/// any `Fn(&R) -> Option<String>`); made by
+/// [`tenant_by`](super::DistributedConcurrencyLimitLayer::tenant_by) and
+/// [`tenant_header`](super::DistributedConcurrencyLimitLayer::tenant_header). A request
+/// without one has no tenant.
+///
+/// ```
+/// use tower_distributed_limit::{Ask, MemoryBackend, Semaphore};
+/// use tower_distributed_limit::layer::{Admit, Tenanted};
+///
+/// struct Job { customer: Option<String> }
+/// let jobs = Semaphore::builder("jobs").limit(20).build(MemoryBackend::new()).unwrap();
+/// let by_customer = Tenanted::new(jobs, |job: &Job| job.customer.clone());
+/// let ask = by_customer.admit(&Job { customer: Some("acme".into()) }).unwrap().1;
+/// assert_eq!(ask.tenant_id(), Ask::new().tenant("acme").tenant_id());
+/// assert_eq!(by_customer.admit(&Job { customer: None }).unwrap().1.tenant_id(), None);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Tenanted<A, K> {
+    admit: A,
+    tenant: K,
+}
+
+impl<A, K> Tenanted<A, K> {
+    /// `admit`'s decisions, for the tenant `tenant` reads from each request.
+    pub fn new(admit: A, tenant: K) -> Self {
+        Tenanted { admit, tenant }
+    }
+}
+
+impl<R, A, K> Admit<R> for Tenanted<A, K>
+where
+    A: Admit<R>,
+    K: PartitionKey<R>,
+{
+    fn admit(&self, request: &R) -> Result<(Semaphore, Ask), Error> {
+        let (semaphore, ask) = self.admit.admit(request)?;
+        Ok(match self.tenant.key(request) {
+            Some(tenant) => (semaphore, ask.tenant(tenant)),
+            None => (semaphore, ask),
+        })
+    }
+}
+
 /// One permit of this semaphore per request, reserved in `poll_ready`; made by
 /// [`acquire_in_poll_ready`](super::DistributedConcurrencyLimitLayer::acquire_in_poll_ready).
 /// As a type it keeps [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) away:
@@ -205,6 +250,7 @@ pub trait Weighable: sealed::Sealed {}
 impl Weighable for Semaphore {}
 impl<A, W> Weighable for Weighted<A, W> {}
 impl<A, P> Weighable for Prioritized<A, P> {}
+impl<A, K> Weighable for Tenanted<A, K> {}
 
 pub(super) mod sealed {
     /// Only this crate's admissions are [`Weighable`](super::Weighable).
@@ -212,6 +258,7 @@ pub(super) mod sealed {
     impl Sealed for crate::Semaphore {}
     impl<A, W> Sealed for super::Weighted<A, W> {}
     impl<A, P> Sealed for super::Prioritized<A, P> {}
+    impl<A, K> Sealed for super::Tenanted<A, K> {}
 }
 
 #[cfg(test)]

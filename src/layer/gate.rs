@@ -16,7 +16,7 @@ use super::refused::{Policy, Refused};
 use super::spares::Held;
 use super::token::FencingToken;
 use crate::backend::RateDecision;
-use crate::{Error, RateLimiter};
+use crate::{Error, Priority, RateLimiter};
 
 pub(crate) use sealed::{Gate, Pass};
 
@@ -55,14 +55,19 @@ mod sealed {
 /// The part of the concurrency layer's response future that takes the request's permit.
 pub struct AcquirePermit {
     acquire: Acquire,
-    /// The picked semaphore's limit, for the refusal's `RateLimit-Policy`.
-    limit: Option<u32>,
+    /// The picked semaphore's limit, for the refusal's `RateLimit-Policy`, and the class
+    /// asked for.
+    limit: Option<(u32, Priority)>,
     /// The rate limit decided with the permit (`rate_limit`), for the `RateLimit` headers.
     rate: Option<RateLimiter>,
 }
 
 impl AcquirePermit {
-    pub(crate) fn new(acquire: Acquire, limit: Option<u32>, rate: Option<RateLimiter>) -> Self {
+    pub(crate) fn new(
+        acquire: Acquire,
+        limit: Option<(u32, Priority)>,
+        rate: Option<RateLimiter>,
+    ) -> Self {
         AcquirePermit {
             acquire,
             limit,
@@ -91,7 +96,9 @@ impl Gate for AcquirePermit {
                     (Error::RateLimited { retry_after }, Some(limiter)) => {
                         Policy::Rate(limiter.clone(), RateDecision::refused(*retry_after))
                     }
-                    _ => self.limit.map_or(Policy::None, Policy::Concurrency),
+                    _ => (self.limit).map_or(Policy::None, |(limit, class)| {
+                        Policy::Concurrency(limit, class)
+                    }),
                 };
                 Err(Refused { error, policy })
             }

@@ -18,6 +18,11 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 /// full limit.
 pub const REFUSAL_HEADER: HeaderName = HeaderName::from_static("x-dlimit-refusal");
 
+/// `x-dlimit-class`: the class (`critical`, `normal`, `batch`, `level-<n>`) of a request the
+/// HTTP flavour refused for want of a permit, so a client or dashboard sees which class was
+/// full.
+pub const CLASS_HEADER: HeaderName = HeaderName::from_static("x-dlimit-class");
+
 /// Whole seconds, rounded up so a client never comes back before the hint.
 pub(crate) fn retry_after_secs(after: Duration) -> u64 {
     after.as_secs() + u64::from(after.subsec_nanos() > 0)

@@ -5,13 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Response, StatusCode};
+use http::{HeaderValue, Response, StatusCode};
 
 use super::body::ResponseBody;
-use super::headers::{insert_concurrency_policy, insert_rate};
+use super::headers::{CLASS_HEADER, insert_concurrency_policy, insert_rate};
 use super::refusal::Refusal;
 use super::refused::{Policy, Refused};
-use crate::Error;
+use crate::{Error, Priority};
 
 /// The hook's shape: the answer to a refusal, or `None` for the default one.
 pub(crate) type OnRefusalFn = dyn Fn(&Error) -> Option<Response<Bytes>> + Send + Sync;
@@ -88,7 +88,11 @@ impl HttpSettings {
     /// The answer to a refused request, with the `RateLimit` headers its policy asks for.
     pub(crate) fn reject<B>(&self, refused: Refused) -> Response<ResponseBody<B>> {
         let Refused { error, policy } = refused;
-        log(&error);
+        let class = match policy {
+            Policy::Concurrency(_, class) if Refusal::of(&error).no_permit() => Some(class),
+            _ => None,
+        };
+        log(&error, class);
         let hooked = self.on_refusal.as_ref().and_then(|hook| (hook.0)(&error));
         let mut response = match (hooked, self.answer) {
             (Some(response), _) => response,
@@ -99,13 +103,18 @@ impl HttpSettings {
         .map(ResponseBody::refusal);
         let headers = response.headers_mut();
         match policy {
-            Policy::Concurrency(limit) if self.policy_header => {
+            Policy::Concurrency(limit, _) if self.policy_header => {
                 insert_concurrency_policy(headers, limit)
             }
             Policy::Rate(limiter, decision) if self.rate_headers && self.answer == Answer::Http => {
                 insert_rate(headers, &limiter, &decision)
             }
             _ => {}
+        }
+        // `critical`, `level-3`...: always a valid header value.
+        let class = class.filter(|_| self.answer == Answer::Http);
+        if let Some(value) = class.and_then(|class| HeaderValue::try_from(class.to_string()).ok()) {
+            headers.insert(CLASS_HEADER, value);
         }
         response
     }
@@ -124,12 +133,14 @@ impl HttpSettings {
     }
 }
 
-fn log(error: &Error) {
+fn log(error: &Error, class: Option<Priority>) {
     match error {
         Error::Backend(_) => {
             tracing::warn!(%error, "request refused: the limit's backend failed (fail closed)")
         }
         Error::BadKey(_) => tracing::debug!(%error, "request refused: bad partition key"),
-        _ => tracing::debug!(%error, "request refused: no permit"),
+        _ => {
+            tracing::debug!(%error, class = class.map(tracing::field::display), "request refused: no permit")
+        }
     }
 }

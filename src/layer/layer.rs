@@ -7,8 +7,9 @@ use bytes::Bytes;
 use http::StatusCode;
 use tower::{BoxError, Layer};
 
-use super::admit::{InPollReady, Prioritized, Weighable, Weighted};
+use super::admit::{InPollReady, Prioritized, Tenanted, Weighable, Weighted};
 use super::flavour::{Http, Plain};
+use super::key::HeaderKey;
 use super::limiter::{ANY_ERROR, Limiter};
 use super::partitions::Partitions;
 use super::service::DistributedConcurrencyLimit;
@@ -422,6 +423,72 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
     {
         DistributedConcurrencyLimitLayer {
             limiter: self.limiter.map(|admit| Prioritized::new(admit, priority)),
+            flavour: self.flavour,
+        }
+    }
+
+    /// A request belongs to the tenant `tenant(&request)` (`None`: no tenant): inside its
+    /// class, tenants are served in turn, each inside the semaphore's per-tenant cap
+    /// ([`SemaphoreBuilder::per_tenant`](crate::SemaphoreBuilder::per_tenant)), in the same
+    /// call that takes the permit. Composes with [`priority_by`](Self::priority_by),
+    /// [`weight_by`](Self::weight_by), partitions and [`rate_limit`](Self::rate_limit); see
+    /// [`tenant_header`](Self::tenant_header) for HTTP.
+    ///
+    /// ```
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore, Share};
+    ///
+    /// struct Job { customer: String }
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+    /// let workers = Semaphore::builder("workers")
+    ///     .limit(20)
+    ///     .per_tenant(Share::at_most(5))
+    ///     .build(MemoryBackend::new())?;
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(DistributedConcurrencyLimitLayer::new(workers)
+    ///         .tenant_by(|job: &Job| Some(job.customer.clone())))
+    ///     .service(service_fn(|job: Job| async move { Ok::<_, tower::BoxError>(job.customer.len()) }));
+    /// assert_eq!(svc.oneshot(Job { customer: "acme".into() }).await?, 4);
+    /// # Ok(()) }
+    /// ```
+    pub fn tenant_by<K, R>(
+        self,
+        tenant: K,
+    ) -> DistributedConcurrencyLimitLayer<Flavor, Tenanted<Admission, K>>
+    where
+        K: Fn(&R) -> Option<String>,
+    {
+        DistributedConcurrencyLimitLayer {
+            limiter: self.limiter.map(|admit| Tenanted::new(admit, tenant)),
+            flavour: self.flavour,
+        }
+    }
+
+    /// An HTTP request's tenant is the value of its header `name` (a missing or non-UTF-8
+    /// value: no tenant), as with [`tenant_by`](Self::tenant_by).
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore, Share};
+    ///
+    /// let api = Semaphore::builder("api")
+    ///     .limit(64)
+    ///     .per_tenant(Share::at_most(8))
+    ///     .build(MemoryBackend::new())
+    ///     .unwrap();
+    /// let layer = DistributedConcurrencyLimitLayer::new(api)
+    ///     .http()
+    ///     .tenant_header(HeaderName::from_static("x-tenant"));
+    /// # let _ = layer;
+    /// ```
+    pub fn tenant_header(
+        self,
+        name: http::HeaderName,
+    ) -> DistributedConcurrencyLimitLayer<Flavor, Tenanted<Admission, HeaderKey>> {
+        DistributedConcurrencyLimitLayer {
+            limiter: self
+                .limiter
+                .map(|admit| Tenanted::new(admit, HeaderKey(name))),
             flavour: self.flavour,
         }
     }

@@ -10,7 +10,7 @@ use tower::BoxError;
 use super::admit::Admit;
 use super::spares::{Held, Spares};
 use crate::backend::RateDecision;
-use crate::{Ask, Error, Permit, RateLimiter, Semaphore};
+use crate::{Ask, Error, Permit, Priority, RateLimiter, Semaphore};
 
 /// What every flavour shares: the admission (which semaphore, what weight) and how a request
 /// waits for its permits.
@@ -132,12 +132,12 @@ impl<A> Limiter<A> {
 
     /// The permit for `request`: the reservation made in `poll_ready`, or the future that
     /// takes what the admission asks for. The limit is the admitted semaphore's, for the
-    /// refusal's `RateLimit-Policy`.
+    /// refusal's `RateLimit-Policy`, with the class asked for, for its `x-dlimit-class`.
     pub(crate) fn admit<R>(
         &self,
         request: &R,
         reserved: Option<Result<Held, Error>>,
-    ) -> (Acquire, Option<u32>)
+    ) -> (Acquire, Option<(u32, Priority)>)
     where
         A: Admit<R>,
     {
@@ -148,14 +148,15 @@ impl<A> Limiter<A> {
                      permit in poll_ready; drive the service with ServiceExt::ready first",
                 ))
             });
-            return (Acquire::Now(Some(reserved)), Some(semaphore.limit()));
+            let asked = (semaphore.limit(), Priority::NORMAL);
+            return (Acquire::Now(Some(reserved)), Some(asked));
         }
         match self.admit.admit(request) {
             Ok((semaphore, ask)) => {
-                let limit = semaphore.limit();
+                let asked = (semaphore.limit(), ask.class());
                 let rate = self.rate.clone();
                 let acquire = Acquire::start(semaphore, ask, self.wait, rate);
-                (acquire, Some(limit))
+                (acquire, Some(asked))
             }
             Err(e) => (Acquire::Now(Some(Err(e))), None),
         }

@@ -96,9 +96,11 @@ mod service;
 mod spares;
 mod token;
 
-pub use self::admit::{Admit, InPollReady, Prioritized, Unweighted, Weigh, Weighable, Weighted};
+pub use self::admit::{
+    Admit, InPollReady, Prioritized, Tenanted, Unweighted, Weigh, Weighable, Weighted,
+};
 pub use self::flavour::{Http, Plain};
-pub use self::headers::{RATELIMIT, RATELIMIT_POLICY, REFUSAL_HEADER};
+pub use self::headers::{CLASS_HEADER, RATELIMIT, RATELIMIT_POLICY, REFUSAL_HEADER};
 pub use self::key::{HeaderKey, PartitionKey, Unkeyed};
 pub use self::layer::{DistributedConcurrencyLimitLayer, HttpConcurrencyLimitLayer};
 pub use self::partitions::{Partitions, PartitionsBuilder, WithoutKey};

@@ -2,7 +2,7 @@
 //! the refusal (for the `RateLimit` headers of an HTTP answer).
 
 use crate::backend::RateDecision;
-use crate::{Error, RateLimiter};
+use crate::{Error, Priority, RateLimiter};
 
 /// A request refused before the inner service saw it, and what its answer reports of the
 /// limit that refused it.
@@ -14,8 +14,8 @@ pub struct Refused {
 /// The limit behind a refusal, for the `RateLimit` headers of an HTTP answer.
 pub enum Policy {
     None,
-    /// The limit of the semaphore the request was refused by.
-    Concurrency(u32),
+    /// The limit of the semaphore the request was refused by, and the request's class.
+    Concurrency(u32, Priority),
     /// The rate limiter and its decision.
     Rate(RateLimiter, RateDecision),
 }

@@ -180,6 +180,37 @@ impl SemaphoreBuilder {
         self
     }
 
+    /// Each tenant ([`Ask::tenant`](crate::Ask::tenant)) holds at most `share` at once, in
+    /// every class together: the global-plus-per-tenant limit in one atomic call, so a request
+    /// never holds its tenant's slot while it waits for the global one. A tenant at its cap
+    /// holds up no other tenant. Only [`Share::at_most`] applies (tenants are request data,
+    /// without bound: none can reserve); requests without a tenant are not capped.
+    ///
+    /// Whether or not a cap is set, the line serves the tenants of one class in turn: a
+    /// tenant's next request waits behind every other tenant's next one, so one tenant's flood
+    /// never fills the line.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{Ask, MemoryBackend, Semaphore, Share};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("api")
+    ///     .limit(100)
+    ///     .per_tenant(Share::at_most(2))
+    ///     .build(MemoryBackend::new())?;
+    /// let acme = || Ask::new().tenant("acme");
+    /// let _two = (sem.acquire_with(acme()).await?, sem.acquire_with(acme()).await?);
+    /// assert!(sem.try_acquire_with(acme()).await?.is_none()); // acme holds its 2
+    /// assert!(sem.try_acquire_with(Ask::new().tenant("globex")).await?.is_some());
+    /// # Ok(()) }
+    /// ```
+    pub fn per_tenant(mut self, share: Share) -> Self {
+        self.classes.set_tenant(share);
+        self
+    }
+
     /// Checks the settings and opens the semaphore on `backend`.
     ///
     /// # Errors
@@ -235,7 +266,7 @@ impl SemaphoreBuilder {
             self.classes.check(&self.name, floor)?;
             if let Some(why) = backend.cannot_share() {
                 return Err(Error::config(format!(
-                    "semaphore {:?}: classes with shares {why}",
+                    "semaphore {:?}: classes or tenants with shares {why}",
                     self.name
                 )));
             }

@@ -292,15 +292,15 @@ impl Semaphore {
                 },
                 other => other,
             };
-            self.report(result.as_ref().map(Some), started);
+            self.report(ask, result.as_ref().map(Some), started);
             result
         }
         .instrument(self.span(ask, "wait"))
         .await
     }
 
-    /// Counts how an acquisition ended: a permit, none (full), or an error.
-    fn report(&self, result: Result<Option<&Permit>, &Error>, started: Instant) {
+    /// Counts how an acquisition of `ask` ended: a permit, none (full), or an error.
+    fn report(&self, ask: &Ask, result: Result<Option<&Permit>, &Error>, started: Instant) {
         let telemetry = &self.inner.settings.telemetry;
         let outcome = match result {
             Ok(Some(permit)) if permit.is_degraded() => Outcome::Degraded,
@@ -315,7 +315,7 @@ impl Semaphore {
             Err(_) => return,
         };
         let waited = started.elapsed();
-        telemetry.acquire(outcome, waited);
+        telemetry.acquire(ask.class(), outcome, waited);
         if let Some(limit) = self.inner.origin.store.limit_in_force() {
             telemetry.limit(limit);
         }
@@ -397,7 +397,7 @@ impl Semaphore {
                 },
                 other => other,
             };
-            self.report(result.as_ref().map(Option::as_ref), started);
+            self.report(ask, result.as_ref().map(Option::as_ref), started);
             result
         }
         .instrument(self.span(ask, "once"))
@@ -441,11 +441,16 @@ impl Semaphore {
     fn too_heavy(&self, ask: &Ask, limit: u32) -> Error {
         let weight = ask.permits();
         let name = &self.inner.settings.name;
-        if self.inner.settings.classes.any() {
+        let classes = &self.inner.settings.classes;
+        if classes.any() {
+            let tenant = match classes.tenant_cap() {
+                Some(cap) if ask.tenant_id().is_some() => format!(" and its tenant's cap of {cap}"),
+                _ => String::new(),
+            };
             return Error::config(format!(
                 "cannot take {weight} permits of semaphore {name:?} in class {}: the most that \
-                 class may hold beside the others' reservations under the limit in force is \
-                 {limit} now; take at most {limit}",
+                 class may hold beside the others' reservations under the limit in force{tenant} \
+                 is {limit} now; take at most {limit}",
                 ask.class()
             ));
         }
@@ -626,8 +631,9 @@ impl Semaphore {
                 settings.name
             )));
         }
-        if settings.classes.any() && weight > settings.classes.most(ask.class(), most) {
-            return Err(self.too_heavy(ask, settings.classes.most(ask.class(), most)));
+        let tenant = ask.tenant_id().is_some();
+        if settings.classes.any() && weight > settings.classes.most(ask.class(), tenant, most) {
+            return Err(self.too_heavy(ask, settings.classes.most(ask.class(), tenant, most)));
         }
         Ok(())
     }

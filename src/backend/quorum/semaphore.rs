@@ -30,7 +30,8 @@ impl Open for QuorumBackend {
         limit: u32,
         // Refused at build (`cannot_adapt`).
         _adaptive: Option<AdaptiveLimit>,
-        // Shares are refused at build (`cannot_share`); priorities are not served in order.
+        // Shares are refused at build (`cannot_share`); priorities and tenants are not served
+        // in order (a waiter is a poll of every node, not a place in one line).
         _classes: &crate::class::Classes,
         _claim: Duration,
     ) -> Opened {
@@ -74,7 +75,7 @@ impl Open for QuorumBackend {
         Some(
             "needs one store that sees every class's holders; on a quorum each node counts only \
              its own grants, so no reservation or cap would hold for the fleet. Use a \
-             RedisBackend, Sentinel or Cluster for classes with shares",
+             RedisBackend, Sentinel or Cluster for classes or tenants with shares",
         )
     }
 }

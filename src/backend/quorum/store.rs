@@ -13,6 +13,7 @@ use super::grant::Try;
 use super::semaphore::{QuorumSemaphore, integer};
 use crate::backend::gcra::Rated;
 use crate::backend::store::{Attempt, Ending, Member, Mode, Store};
+use crate::class::Classes;
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Refresh, Status};
@@ -173,13 +174,18 @@ impl Store for QuorumSemaphore {
                     class: Member::read(&member).map_or(Priority::NORMAL, |(_, class, _)| class),
                 })
                 .collect();
-            Ok(Snapshot {
+            let mut snapshot = Snapshot {
                 limit: u32::try_from(limit.max(0)).unwrap_or(u32::MAX),
                 used: holders.iter().map(|holder| holder.weight).sum(),
                 waiting: 0,
                 pinned: pins >= self.majority(),
                 holders,
-            })
+                classes: Vec::new(),
+                tenants_waiting: Vec::new(),
+            };
+            // No shares on a quorum (refused at build), and no line it could count by class.
+            snapshot.complete(&Classes::default(), [0; 8], []);
+            Ok(snapshot)
         })
     }
 

@@ -32,6 +32,7 @@ static SEMAPHORE: Lua = Lua::new(concat!(
     include_str!("../lua/gcra.lua"),
     include_str!("../lua/semaphore/args.lua"),
     include_str!("../lua/semaphore/classes.lua"),
+    include_str!("../lua/semaphore/tenants.lua"),
     include_str!("../lua/semaphore/fence.lua"),
     include_str!("../lua/semaphore/sweep.lua"),
     include_str!("../lua/semaphore/adapt.lua"),
@@ -71,7 +72,7 @@ struct RedisSemaphore {
     me: Weak<RedisSemaphore>,
     /// Keeps the connection and the announcement hub alive as long as the semaphore.
     shared: Arc<Connection>,
-    keys: [String; 6],
+    keys: [String; 7],
     /// Through Sentinel: the server's promotion key (one per prefix) and the fence (see
     /// `Connection::promotion_fence`).
     promoted: Option<(String, Duration)>,
@@ -166,8 +167,10 @@ impl RedisSemaphore {
         Arc::new_cyclic(|me| RedisSemaphore {
             me: me.clone(),
             shared: backend.shared.clone(),
-            keys: ["holders", "meta", "queue", "alive", "since", "procs"]
-                .map(|key| format!("{base}:{key}")),
+            keys: [
+                "holders", "meta", "queue", "alive", "since", "procs", "tenants",
+            ]
+            .map(|key| format!("{base}:{key}")),
             promoted: (backend.shared.promotion_fence)
                 .map(|fence| (format!("{}dlimit-promoted", backend.prefix), fence)),
             warned: AtomicBool::new(false),
@@ -941,8 +944,9 @@ impl Refresh for RedisSemaphore {
     }
 }
 
-/// `{limit, used, waiting, now ms, pinned, then per holder: member, deadline ms, granted ms,
-/// process name}`.
+/// `{limit, used, waiting, now ms, pinned, waiting per level ("<n0>,...,<n7>"), tenants'
+/// waiting ("<hex>:<n>,..."), the shares in force, then per holder: member, deadline ms,
+/// granted ms, process name}`.
 fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
     let Value::Array(items) = reply else {
         return None;
@@ -954,7 +958,19 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
             _ => None,
         }
     };
-    let (head, rest) = items.split_at_checked(5)?;
+    let (head, rest) = items.split_at_checked(8)?;
+    let mut waiting = [0u32; 8];
+    for (level, n) in text(&head[5])?.split(',').enumerate().take(8) {
+        waiting[level] = n.parse().ok()?;
+    }
+    let tenants = text(&head[6])?
+        .split(',')
+        .filter(|entry| !entry.is_empty())
+        .map(|entry| {
+            let (tenant, n) = entry.split_once(':')?;
+            Some((u64::from_str_radix(tenant, 16).ok()?, n.parse().ok()?))
+        })
+        .collect::<Option<Vec<_>>>()?;
     let count = |value: &Value| u32::try_from(int(value)?.max(0)).ok();
     let now = int(&head[3])?;
     let millis = |ms: i64| Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0));
@@ -986,13 +1002,25 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
         })
         .collect::<Option<Vec<_>>>()?;
     holders.sort_by_key(|holder| std::cmp::Reverse(holder.held_for));
-    Some(Snapshot {
+    let mut snapshot = Snapshot {
         limit: count(&head[0])?,
         used: count(&head[1])?,
         waiting: count(&head[2])?,
         pinned: int(&head[4])? == 1,
         holders,
-    })
+        classes: Vec::new(),
+        tenants_waiting: Vec::new(),
+    };
+    snapshot.complete(&Classes::decode(text(&head[7])?), waiting, tenants);
+    Some(snapshot)
+}
+
+/// A reply's bulk string as text.
+fn text(value: &Value) -> Option<&str> {
+    match value {
+        Value::BulkString(text) => std::str::from_utf8(text).ok(),
+        _ => None,
+    }
 }
 
 /// A fencing token: positive.

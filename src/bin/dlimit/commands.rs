@@ -65,6 +65,25 @@ pub async fn show(fleet: &Fleet, name: &str, json: bool) -> Result<(), Failure> 
             "as configured"
         }
     );
+    for class in &snap.classes {
+        let mut share = String::new();
+        if class.reserved > 0 {
+            share.push_str(&format!(", {} reserved", class.reserved));
+        }
+        if let Some(cap) = class.at_most {
+            share.push_str(&format!(", at most {cap}"));
+        }
+        println!(
+            "  class {}: {} used, {} waiting{share}",
+            class.class, class.used, class.waiting
+        );
+    }
+    for tenant in &snap.tenants_waiting {
+        println!(
+            "  tenant {:016x}: {} waiting",
+            tenant.tenant, tenant.waiting
+        );
+    }
     print_holders(snap.holders.iter());
     Ok(())
 }

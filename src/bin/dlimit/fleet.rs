@@ -342,6 +342,25 @@ pub fn semaphore_json(name: &str, snap: &Snapshot) -> serde_json::Value {
             })
         })
         .collect();
+    let classes: Vec<serde_json::Value> = (snap.classes.iter())
+        .map(|class| {
+            serde_json::json!({
+                "class": class.class.to_string(),
+                "reserved": class.reserved,
+                "at_most": class.at_most,
+                "used": class.used,
+                "waiting": class.waiting,
+            })
+        })
+        .collect();
+    let tenants: Vec<serde_json::Value> = (snap.tenants_waiting.iter())
+        .map(|tenant| {
+            serde_json::json!({
+                "tenant": format!("{:016x}", tenant.tenant),
+                "waiting": tenant.waiting,
+            })
+        })
+        .collect();
     serde_json::json!({
         "name": name,
         "limit": limit(snap),
@@ -349,6 +368,8 @@ pub fn semaphore_json(name: &str, snap: &Snapshot) -> serde_json::Value {
         "used": snap.used,
         "waiting": snap.waiting,
         "holders": holders,
+        "classes": classes,
+        "tenants_waiting": tenants,
     })
 }
 

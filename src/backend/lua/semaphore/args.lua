@@ -1,6 +1,6 @@
 -- One distributed, first-come-first-served semaphore. Every operation is one call of this
 -- script, so it runs atomically; times come from the Redis server clock, never a client's.
--- The script is this file and the seven after it, in order (classes, fence, sweep, adapt, holders, line, ops;
+-- The script is this file and the eight after it, in order (classes, tenants, fence, sweep, adapt, holders, line, ops;
 -- `semaphore.rs` joins them after `gcra.lua`); each part's locals are the next parts' too.
 --
 -- KEYS[1] holders: zset, member -> lease deadline (ms)
@@ -22,18 +22,24 @@
 --                  `unpinned` = while pinned, the limit to return to when unpinned (the one
 --                  in force before, else the first configured limit a process calls with);
 --                  `classes` = the classes' shares, stored with the limit, and `c<level>` =
---                  the weight each class holds (classes.lua)
+--                  the weight each class holds (classes.lua), `u:<tenant>` = the weight a
+--                  tenant holds, while it holds some, under a per-tenant cap
+--                  (classes.lua)
 -- KEYS[3] queue:   zset, member -> its class's rank × 2^48 + its arrival (strictly increasing):
---                  who waits, by class (highest first), then oldest first
+--                  who waits, by class (highest first), then oldest first; a tenant's
+--                  parked waiters past every class, at 2^51 + that (tenants.lua)
 -- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
 -- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
 -- KEYS[6] procs:   zset, "<process tag> <process name>" -> when last told (ms), for snapshots;
 --                  names not told for an hour are dropped; expires with holders
--- KEYS[7] (acquire only, optional) a rate limiter's key, decided with the acquires
+-- KEYS[7] tenants: zset of score 0, by lex: each tenant's head and parked waiters per class
+--                  (tenants.lua); expires with the line
+-- KEYS[8] (acquire only, optional) a rate limiter's key, decided with the acquires
 -- KEYS[#KEYS] (with a promotion fence) promoted: hash, `id` = the replication id under which
 --                  this server was first seen promoted from a replica, `at` = when (ms); one
 --                  key for every semaphore of the server (used through Sentinel only)
--- A member is "<holder id>[:c<level>]:<weight>:<lease ms>" (level 4, NORMAL, without), the id's first 8 hex digits naming its
+-- A member is "<holder id>[:c<level>][:t<tenant>]:<weight>:<lease ms>" (level 4, NORMAL, without;
+-- the tenant in 16 hex digits), the id's first 8 hex digits naming its
 -- process. All keys share one hash tag (one Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
 -- when nothing is held past that horizon); queue and alive expire with the latest waiter
 -- deadline.
@@ -53,7 +59,7 @@
 --          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
 --          | {4, retry µs, limit} refused by the rate limit (nothing added, nothing spent)
 --          (`limit`: the limit in force); a member also released by this call is not added.
---          With KEYS[6] (a rate limiter's key, `gcra` of lua/gcra.lua) and rate > 0, a member
+--          With KEYS[8] (a rate limiter's key, `gcra` of lua/gcra.lua) and rate > 0, a member
 --          that would be granted at once is granted only if the rate allows its cost, spent
 --          in the same call; one that queues spends nothing
 --   release                      -> how many of the k members held or waited
@@ -68,9 +74,11 @@
 --                                   first configured one a process called with) is back,
 --                                   and an adaptive limit adapts again
 --   evict <id>                   -> 1 if the holder with that id was removed, else 0
---   snapshot                     -> {limit, used, waiting, now ms, pinned (0|1), then per
---                                    holder: member, deadline ms, granted ms, process name
---                                    ('' when not known)}
+--   snapshot                     -> {limit, used, waiting, now ms, pinned (0|1), waiting per
+--                                    level ("<n0>,...,<n7>"), tenants' waiting
+--                                    ("<tenant>:<n>,..."), the shares in force, then per
+--                                    holder: member, deadline
+--                                    ms, granted ms, process name ('' when not known)}
 -- An acquire whose weight is above what its class may ever hold under the limit in force (the
 -- limit, less the other classes' reservations, at most its cap) answers {3, that most}.
 -- "left µs" is a deadline minus the server time of this call, exact to the µs: a client that

@@ -1,10 +1,12 @@
 -- Part 2 of the semaphore script (after args.lua): classes. A member's class is its level
 -- (`:c<level>` after its id; 4, NORMAL, without). The line serves a higher level first, each
 -- class in arrival order. With shares (`classes` in meta: `<level>r<n>` reserved, `<level>m<n>`
--- at most, comma-separated; decided with the limit by whoever stores it), meta keeps what each
--- class holds in `c<level>`, and a class is admitted only where its share allows: the slots
--- other classes reserve and do not hold stay free for them, and a class never holds more than
--- its cap. src/class.rs has the same rules and their tests.
+-- at most, `tm<n>` at most per tenant, comma-separated; decided with the limit by whoever
+-- stores it), meta keeps what each class holds in `c<level>`, and a class is admitted only
+-- where its share allows: the slots other classes reserve and do not hold stay free for them,
+-- and a class never holds more than its cap. With a per-tenant cap, meta keeps what each
+-- tenant (`:t<16 hex>` after the class) holds in `u:<tenant>`, only while it holds some.
+-- src/class.rs has the same rules and their tests.
 
 -- A queued member's score: its class's rank (0 for the highest level) times 2^48, then its
 -- arrival, strictly increasing (`arrived`; below 2^48 for centuries: a floor of 1/16 ms since
@@ -47,7 +49,23 @@ if shares then
 end
 local held_changed = false
 
--- A holder's weight counted in (`sign` 1) or out (-1) of `used` and its class's count.
+local function tenant_of(member)
+  return string.match(member, ':t(%x+):')
+end
+-- The per-tenant cap, and what each tenant read so far holds (`dirty`: changed by this call).
+local tenant_cap = shares and tonumber(string.match(shares, 'tm(%d+)'))
+local tenant_held, tenant_dirty = {}, {}
+local function held_by(tenant)
+  local n = tenant_held[tenant]
+  if n == nil then
+    n = tonumber(redis.call('HGET', meta, 'u:' .. tenant)) or 0
+    tenant_held[tenant] = n
+  end
+  return n
+end
+
+-- A holder's weight counted in (`sign` 1) or out (-1) of `used`, its class's count and its
+-- tenant's.
 local function account(member, sign)
   local weight = parse(member)
   used = used + sign * weight
@@ -55,11 +73,16 @@ local function account(member, sign)
     local level = level_of(member)
     in_class[level] = in_class[level] + sign * weight
     held_changed = true
+    local tenant = tenant_cap and tenant_of(member)
+    if tenant then
+      tenant_held[tenant] = held_by(tenant) + sign * weight
+      tenant_dirty[tenant] = true
+    end
   end
 end
 
--- The most a member of `level` may ever hold under the limit in force.
-local function most(level)
+-- The most a member of `level` (of `tenant`, if any) may ever hold under the limit in force.
+local function most(level, tenant)
   if not shares then
     return limit
   end
@@ -73,13 +96,20 @@ local function most(level)
   if at_most[level] then
     m = math.min(m, at_most[level])
   end
+  if tenant and tenant_cap then
+    m = math.min(m, tenant_cap)
+  end
   return m
 end
 
--- Whether `weight` more of `level` fits now: 'fits', 'capped' (its class holds all it may: it
--- holds up no other class) or 'full' (the pool the reservations leave is full).
-local function room(level, weight)
+-- Whether `weight` more of `level` (for `tenant`, if any) fits now: 'fits', 'tenant' (its
+-- tenant holds all it may: it holds up no other tenant), 'capped' (its class holds all it may:
+-- it holds up no other class) or 'full' (the pool the reservations leave is full).
+local function room(level, weight, tenant)
   if shares then
+    if tenant and tenant_cap and held_by(tenant) + weight > tenant_cap then
+      return 'tenant'
+    end
     if at_most[level] and in_class[level] + weight > at_most[level] then
       return 'capped'
     end
@@ -103,8 +133,8 @@ end
 -- The highest class (lowest rank) whose oldest waiter waits for the pool, found by the line
 -- below: a lower class is admitted only inside its own reservation while it waits.
 local blocked = nil
-local function admits(level, weight)
-  if room(level, weight) ~= 'fits' then
+local function admits(level, weight, tenant)
+  if room(level, weight, tenant) ~= 'fits' then
     return false
   end
   if blocked and blocked < rank_of(level) then
@@ -113,8 +143,16 @@ local function admits(level, weight)
   return true
 end
 
--- The shares and the classes' counts, to write with meta.
+-- The shares and the classes' counts, to write with meta (the tenants' at once: a tenant
+-- holding nothing keeps no field).
 local function class_fields(fields)
+  for tenant in pairs(tenant_dirty) do
+    if tenant_held[tenant] > 0 then
+      redis.call('HSET', meta, 'u:' .. tenant, int(tenant_held[tenant]))
+    else
+      redis.call('HDEL', meta, 'u:' .. tenant)
+    end
+  end
   if shares and shares ~= stored_shares then
     table.insert(fields, 'classes')
     table.insert(fields, shares)

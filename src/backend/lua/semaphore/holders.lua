@@ -65,8 +65,7 @@ for i = 10, args - 1 do
     count = count - 1
     changed = true
     removed = removed + 1
-  elseif redis.call('ZREM', queue, member) == 1 then
-    redis.call('ZREM', alive, member)
+  elseif unqueue(member) then
     removed = removed + 1
   end
 end

@@ -9,7 +9,7 @@ local waiting = redis.call('ZCARD', queue)
 local waits_in = {}
 if waiting > 0 then
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', alive, '-inf', int(now))) do
-    redis.call('ZREM', queue, member)
+    unqueue(member)
     redis.call('ZREM', alive, member)
   end
   -- Each class in turn, highest first: its head read a few at a time, since a release usually
@@ -46,6 +46,26 @@ if waiting > 0 then
     end
     return nil
   end
+  -- The head of a class out of the line, with a provisional grant (unless its liveness entry
+  -- is gone), announced to its process; its tenant's next waiter joins the line.
+  local function admit(member, weight, lease, tenant)
+    redis.call('ZREM', queue, member)
+    local live = redis.call('ZREM', alive, member) == 1
+    if tenant then
+      left_line(member, tenant, 0)
+    end
+    if not live then
+      return
+    end
+    local term = math.min(claim, math.max(math.floor(lease / 2), 1))
+    local token, deadline = grant(member, weight, lease, term)
+    redis.call('HSET', meta, 'p:' .. member, 1)
+    pending = pending + 1
+    granted[member] = token
+    -- On the channel of the member's process only (its id starts with the process's tag).
+    redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
+      member .. ' ' .. int(token) .. ' ' .. int(deadline))
+  end
   local first = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')[2]
   rank = first and math.floor(tonumber(first) / RANK)
   waiting = 0
@@ -54,35 +74,34 @@ if waiting > 0 then
     while true do
       local member = oldest()
       local level = rank_of(rank)
-      while member and parse(member) > most(level) do
-        -- Heavier than its class may ever hold under the limit now in force: it would block
-        -- the line for ever. Dropped, it learns at its next refresh and is refused.
-        redis.call('ZREM', queue, member)
-        redis.call('ZREM', alive, member)
+      while member and parse(member) > most(level, tenant_of(member)) do
+        -- Heavier than its class (or tenant) may ever hold under the limit now in force: it
+        -- would block the line for ever. Dropped, it learns at its next refresh and is refused.
+        unqueue(member)
         member = oldest()
       end
       if not member then
         break
       end
       local weight, lease = parse(member)
-      if not admits(level, weight) or not settled(lease) then
+      local tenant = tenant_of(member)
+      local fit = room(level, weight, tenant)
+      if fit == 'tenant' then
+        -- Its tenant holds all it may: passed over, as a silent process's waiters are.
+        waiting = 1
+        if passed >= 64 then
+          break
+        end
+        passed = passed + 1
+      elseif not admits(level, weight, tenant) or not settled(lease) then
         waiting = 1
         waits_in[rank] = true
-        if room(level, weight) ~= 'capped' then
+        if fit ~= 'capped' then
           blocked = blocked or rank
         end
         break
-      end
-      redis.call('ZREM', queue, member)
-      if redis.call('ZREM', alive, member) == 1 then
-        local term = math.min(claim, math.max(math.floor(lease / 2), 1))
-        local token, deadline = grant(member, weight, lease, term)
-        redis.call('HSET', meta, 'p:' .. member, 1)
-        pending = pending + 1
-        granted[member] = token
-        -- On the channel of the member's process only (its id starts with the process's tag).
-        redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
-          member .. ' ' .. int(token) .. ' ' .. int(deadline))
+      else
+        admit(member, weight, lease, tenant)
       end
     end
     if blocked and not shares then
@@ -152,8 +171,13 @@ local function status(member)
     end
     return 1, token, left(deadline)
   end
-  if waiting > 0 and redis.call('ZSCORE', queue, member) then
+  local tenant = tenant_of(member)
+  local score = (waiting > 0 or tenant) and tonumber(redis.call('ZSCORE', queue, member))
+  if score then
     wait(member)
+    if score >= PARKED then
+      heal(member, tenant, score)
+    end
     return 2, 0, 0
   end
   return 0, 0, 0

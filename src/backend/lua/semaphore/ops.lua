@@ -10,31 +10,32 @@ if op == 'acquire' then
     local member = released_member(ARGV[i])
     cancelled[member] = true
   end
-  -- A rate limit (KEYS[7]) decided with each acquire that would be granted at once.
+  -- A rate limit (KEYS[8]) decided with each acquire that would be granted at once.
   local rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
-  local rated = KEYS[7] ~= nil and KEYS[7] ~= promoted_key and rate > 0
+  local rated = KEYS[8] ~= nil and KEYS[8] ~= promoted_key and rate > 0
   reply = {}
   for i = args + 3, #ARGV - 2, 3 do
     local member, mode, cost = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
     local weight, lease = parse(member)
     local level = level_of(member)
+    local tenant = tenant_of(member)
     local state, token, rest = 0, 0, 0
     if mode == 'recheck' then
       state, token, rest = status(member)
     end
     local answer
-    if state ~= 1 and weight > most(level) then
-      answer = {3, most(level)}
+    if state ~= 1 and weight > most(level, tenant) then
+      answer = {3, most(level, tenant)}
     elseif state == 1 then
       answer = {1, token, rest, now_us, limit}
     elseif state == 2 then
       answer = {2, 0, now_us, limit}
     elseif cancelled[member] then
       answer = {0, 0, now_us, limit}
-    elseif not waits_in[rank_of(level)] and admits(level, weight) and settled(lease) then
+    elseif not waits_in[rank_of(level)] and admits(level, weight, tenant) and settled(lease) then
       local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
       if rated and cost > 0 then
-        allowed, remaining, retry_us, reset_us = gcra(KEYS[7], rate, period, burst, cost, now_us)
+        allowed, remaining, retry_us, reset_us = gcra(KEYS[8], rate, period, burst, cost, now_us)
       end
       if allowed then
         local deadline
@@ -50,11 +51,11 @@ if op == 'acquire' then
     elseif mode ~= 'once' then
       -- Strictly after every earlier arrival, so members queued by one call (or by two calls
       -- in the same microsecond) are served in the order they came.
-      redis.call('ZADD', queue, int(rank_of(level) * RANK + next_arrival()), member)
+      wait(member)
+      enqueue(member)
       changed = true
       waiting = 1
       waits_in[rank_of(level)] = true
-      wait(member)
       answer = {2, 0, now_us, limit}
     else
       answer = {0, 0, now_us, limit}
@@ -92,7 +93,27 @@ elseif op == 'set_limit' or op == 'unset_limit' then
 elseif op == 'evict' then
   reply = evicted
 elseif op == 'snapshot' then
-  reply = {limit, math.max(used, 0), redis.call('ZCARD', queue), now, pinned and 1 or 0}
+  -- Waiters per level (each class's line and its parked tenants), and per tenant among the
+  -- first 1 000 of the tenants' index (a bounded read, whatever the line holds).
+  local by_level = {}
+  for level = 0, 7 do
+    local from = rank_of(level) * RANK
+    by_level[level + 1] = redis.call('ZCOUNT', queue, int(from), '(' .. int(from + RANK))
+      + redis.call('ZCOUNT', queue, int(PARKED + from), '(' .. int(PARKED + from + RANK))
+  end
+  local per_tenant, tenant_order = {}, {}
+  for _, entry in ipairs(redis.call('ZRANGE', tenants, 0, 999)) do
+    local tenant = string.sub(entry, 2, 17)
+    if not per_tenant[tenant] then
+      table.insert(tenant_order, tenant)
+    end
+    per_tenant[tenant] = (per_tenant[tenant] or 0) + 1
+  end
+  for i, tenant in ipairs(tenant_order) do
+    tenant_order[i] = tenant .. ':' .. per_tenant[tenant]
+  end
+  reply = {limit, math.max(used, 0), redis.call('ZCARD', queue), now, pinned and 1 or 0,
+    table.concat(by_level, ','), table.concat(tenant_order, ','), shares or ''}
   -- Each process's latest name (the set is ordered by when each was told).
   local names = {}
   for _, entry in ipairs(redis.call('ZRANGE', procs, 0, -1)) do

@@ -95,6 +95,18 @@ if used == nil or count ~= card then
   for level = 0, 7 do
     in_class[level] = 0
   end
+  if tenant_cap then
+    -- Every tenant's count is rebuilt too: those holding nothing lose their field.
+    local cursor = '0'
+    repeat
+      local page = redis.call('HSCAN', meta, cursor, 'MATCH', 'u:*', 'COUNT', 100)
+      cursor = page[1]
+      for i = 1, #page[2], 2 do
+        local tenant = string.sub(page[2][i], 3)
+        tenant_held[tenant], tenant_dirty[tenant] = 0, true
+      end
+    until cursor == '0'
+  end
   for _, member in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
     account(member, 1)
   end
