@@ -543,7 +543,14 @@ async fn a_quorum_refuses_shares_and_admits_classes_and_tenants() {
     assert!(matches!(per_tenant, Err(Error::Config(m)) if m.contains("tenants")));
     let sem = semaphore("plain", 3).build(backend).unwrap();
     let ask = Ask::new().priority(Priority::BATCH).tenant("acme");
-    let permit = sem.try_acquire_with(ask).await.unwrap().expect("a free slot");
-    assert_eq!(sem.snapshot().await.unwrap().holders[0].class, Priority::BATCH);
+    let permit = sem
+        .try_acquire_with(ask)
+        .await
+        .unwrap()
+        .expect("a free slot");
+    assert_eq!(
+        sem.snapshot().await.unwrap().holders[0].class,
+        Priority::BATCH
+    );
     drop(permit);
 }
