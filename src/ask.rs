@@ -62,6 +62,8 @@ impl Ask {
     /// bits of its SHA-1 travel and are stored, so every process maps one key to one tenant
     /// and no key can reach the backend's key space. Two keys sharing those bits are served as
     /// one tenant: among a million tenants, the chance that any two do is about 3 × 10⁻⁸.
+    /// (A [`QuorumBackend`](crate::QuorumBackend) admits tenants in arrival order, without
+    /// turns, as it does classes.)
     pub fn tenant(self, key: impl AsRef<[u8]>) -> Self {
         let digest = sha1_smol::Sha1::from(key.as_ref()).digest().bytes();
         let mut head = [0; 8];

@@ -127,6 +127,7 @@ local function wait(member)
     line = deadline + math.floor(patience / 2)
     redis.call('PEXPIREAT', queue, int(line))
     redis.call('PEXPIREAT', alive, int(line))
+    redis.call('PEXPIREAT', tenants, int(line))
     changed = true
   end
 end

@@ -51,8 +51,8 @@ if op == 'acquire' then
     elseif mode ~= 'once' then
       -- Strictly after every earlier arrival, so members queued by one call (or by two calls
       -- in the same microsecond) are served in the order they came.
-      wait(member)
       enqueue(member)
+      wait(member)
       changed = true
       waiting = 1
       waits_in[rank_of(level)] = true
