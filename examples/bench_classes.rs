@@ -80,10 +80,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         // 19 shares: tenant 0 has 10 of them, tenants 1..=9 one each.
         let flooding = i % 19 < 10;
         // With classes on, each BATCH request names its tenant, so tenants are served in turn.
-        let ask = match (
-            classes && std::env::var_os("NO_TENANTS").is_none(),
-            flooding,
-        ) {
+        let ask = match (classes, flooding) {
             (false, _) => Ask::new().priority(batch),
             (true, true) => Ask::new().priority(batch).tenant("tenant-0"),
             (true, false) => Ask::new()

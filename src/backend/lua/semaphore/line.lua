@@ -127,8 +127,12 @@ local function wait(member)
     line = deadline + math.floor(patience / 2)
     redis.call('PEXPIREAT', queue, int(line))
     redis.call('PEXPIREAT', alive, int(line))
-    redis.call('PEXPIREAT', tenants, int(line))
     changed = true
+  end
+  if tenant_of(member) then
+    -- The tenants' index lives as long as any tenant's waiter: each pushes it (a semaphore
+    -- without tenants never touches it).
+    redis.call('PEXPIREAT', tenants, int(math.max(line, deadline)))
   end
 end
 

@@ -50,8 +50,8 @@ local function promote(line_of, rank)
   end
 end
 
--- Puts `member` in line (before `wait` gives it a liveness deadline): at the back of its
--- class, or parked behind its tenant's head.
+-- Puts `member` in line (before `wait` gives it a liveness deadline, and the tenants' index
+-- its expiry): at the back of its class, or parked behind its tenant's head.
 local function enqueue(member)
   local rank = rank_of(level_of(member))
   local arrival = next_arrival()
@@ -59,8 +59,6 @@ local function enqueue(member)
   if tenant then
     local line_of = tenant_line(member, tenant)
     local head = head_of(line_of)
-    -- Not before this waiter's deadline; `wait` pushes it with the line's.
-    redis.call('PEXPIREAT', tenants, int(math.max(line, now + patience)))
     if head and redis.call('ZSCORE', queue, head) then
       redis.call('ZADD', queue, int(PARKED + rank * RANK + arrival), member)
       redis.call('ZADD', tenants, 0, parked_entry(line_of, arrival, member))
