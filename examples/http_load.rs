@@ -15,7 +15,9 @@
 //! - `memory`: `DistributedConcurrencyLimitLayer` (`.http()`) over a `Semaphore` of limit 64 on
 //!   `MemoryBackend`: the layer's own cost, without any network;
 //! - `redis`: the same over `RedisBackend` (`--redis-url`, default `$REDIS_URL` or
-//!   `redis://127.0.0.1:6379`), one semaphore named `--name` (default `http-load`).
+//!   `redis://127.0.0.1:6379`), one semaphore named `--name` (default `http-load`);
+//! - `redis-prefetch`: `redis` with `.prefetch(32)`: while nobody waits, up to 32 slots held
+//!   ahead of need and handed out without a round trip.
 //!
 //! The server answers `GET /` with `hello` on `127.0.0.1:PORT` (default 3000), on tokio's
 //! multi-thread runtime, and prints `ready: ...` once it accepts connections. It runs until
@@ -33,8 +35,10 @@ use tower_distributed_limit::{
 /// The limit of every limited stack.
 const LIMIT: u32 = 64;
 
-const USAGE: &str =
-    "usage: http_load <none|tower|memory|redis> [--port PORT] [--redis-url URL] [--name NAME]";
+/// The `redis-prefetch` stack's prefetch: wrk's 32 connections in flight at most.
+const PREFETCH: u32 = 32;
+
+const USAGE: &str = "usage: http_load <none|tower|memory|redis|redis-prefetch> [--port PORT] [--redis-url URL] [--name NAME]";
 
 struct Args {
     stack: String,
@@ -103,6 +107,13 @@ async fn app(args: &Args) -> Result<Router, BoxError> {
                 .await
                 .map_err(|e| format!("cannot connect to {}: {e}", args.redis_url))?;
             let sem = semaphore(&args.name).build(redis)?;
+            router.layer(DistributedConcurrencyLimitLayer::new(sem).http())
+        }
+        "redis-prefetch" => {
+            let redis = RedisBackend::connect(&args.redis_url)
+                .await
+                .map_err(|e| format!("cannot connect to {}: {e}", args.redis_url))?;
+            let sem = semaphore(&args.name).prefetch(PREFETCH).build(redis)?;
             router.layer(DistributedConcurrencyLimitLayer::new(sem).http())
         }
         other => return Err(format!("unknown stack {other:?}").into()),

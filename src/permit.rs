@@ -5,8 +5,8 @@
 //! holds a claim (a cancelled or failed acquire leaks nothing); a [`Permit`] is a claim that
 //! was granted.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -16,6 +16,7 @@ use crate::backend::RateDecision;
 use crate::backend::{Ending, Member, Store};
 use crate::keeper::Keeper;
 use crate::lease::Lease;
+use crate::semaphore::Pool;
 use crate::telemetry::{Op, Telemetry};
 
 /// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
@@ -51,6 +52,8 @@ pub struct Permit {
     token: u64,
     /// The lease as this process knows it, renewed by the semaphore's keeper.
     lease: Arc<Lease>,
+    /// The prefetched slots it returns to when dropped, while they want it back.
+    home: Option<Weak<Pool>>,
 }
 
 /// What the permits of one semaphore share: where they are released and who renews them.
@@ -130,7 +133,31 @@ impl Claim {
             claim: self,
             token,
             lease,
+            home: None,
         }
+    }
+
+    /// Held from now on, for the hold time it reports (a prefetched slot handed out).
+    fn handed_out(&mut self) {
+        if self.granted.is_some() {
+            self.granted = Some(Instant::now());
+        }
+    }
+
+    /// The same member, armed, for a new guard; this one is disarmed (its drop does nothing).
+    fn take_over(&mut self) -> Option<Claim> {
+        if !self.armed {
+            return None;
+        }
+        self.armed = false;
+        Some(Claim {
+            origin: self.origin.clone(),
+            member: self.member.clone(),
+            armed: true,
+            granted: self.granted,
+            rate: None,
+            overloaded: AtomicBool::new(false),
+        })
     }
 
     /// Gives the member back now; after a success, dropping does nothing.
@@ -297,5 +324,38 @@ impl Permit {
     /// drop, which releases in the background.
     pub async fn release(&mut self) -> Result<(), Error> {
         self.claim.release().await
+    }
+
+    /// A prefetched permit handed out: its hold counts from now.
+    pub(crate) fn handed_out(mut self) -> Permit {
+        self.claim.handed_out();
+        self
+    }
+
+    /// Returns to `pool` when dropped (unless someone waits or the pool is full).
+    pub(crate) fn homed(mut self, pool: Weak<Pool>) -> Permit {
+        self.home = Some(pool);
+        self
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        // Back to its pool while the pool wants it: the slot stays held, renewed by the
+        // keeper, for the next acquire. Otherwise the claim's drop releases it.
+        let Some(pool) = self.home.as_ref().and_then(Weak::upgrade) else {
+            return;
+        };
+        if self.is_lost() || !pool.wants_back() {
+            return;
+        }
+        if let Some(claim) = self.claim.take_over() {
+            pool.put(Permit {
+                claim,
+                token: self.token,
+                lease: self.lease.clone(),
+                home: self.home.clone(),
+            });
+        }
     }
 }

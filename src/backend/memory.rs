@@ -423,6 +423,7 @@ impl Open for MemoryBackend {
                 adaptive,
                 classes: *classes,
                 in_force: AtomicU32::new(limit),
+                crowded: watch::Sender::new(false),
                 waitlist: waitlist.clone(),
             }),
             waitlist,
@@ -439,6 +440,8 @@ struct MemorySemaphore {
     /// The limit in force after this semaphore's last call (for `limit_in_force`, without
     /// taking the backend's lock).
     in_force: AtomicU32,
+    /// Whether anyone waited after this semaphore's last call (see `Store::crowding`).
+    crowded: watch::Sender<bool>,
     waitlist: Arc<Waitlist>,
 }
 
@@ -469,6 +472,9 @@ impl MemorySemaphore {
             let result = op(permits, now, fence);
             permits.settle(now, fence, &mut grants);
             self.in_force.store(permits.limit, Ordering::Relaxed);
+            let crowded = !permits.queue.is_empty();
+            self.crowded
+                .send_if_modified(|was| std::mem::replace(was, crowded) != crowded);
             if permits.forgettable(now) {
                 semaphores.remove(&self.name);
             }
@@ -581,6 +587,10 @@ impl Store for MemorySemaphore {
 
     fn reconnects(&self) -> Option<watch::Receiver<u64>> {
         None
+    }
+
+    fn crowding(&self) -> Option<watch::Receiver<bool>> {
+        Some(self.crowded.subscribe())
     }
 
     fn snapshot(&self) -> BoxFuture<'_, Result<Snapshot, Error>> {

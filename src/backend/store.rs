@@ -270,6 +270,13 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
     /// cannot lose its state.
     fn reconnects(&self) -> Option<watch::Receiver<u64>>;
 
+    /// Whether anyone waits in line, as the backend's last reply to this process said, kept
+    /// in a watch so a process holding prefetched slots gives them back at once; `None` for a
+    /// backend that does not tell (nothing is prefetched there).
+    fn crowding(&self) -> Option<watch::Receiver<bool>> {
+        None
+    }
+
     /// The weight held by live (unexpired) holders.
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>>;
 

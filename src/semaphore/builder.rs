@@ -32,6 +32,8 @@ pub(super) struct Settings {
     pub(super) claim: Duration,
     /// What each class reserves and may hold.
     pub(super) classes: Classes,
+    /// How many free slots this process may take ahead of need (0: none).
+    pub(super) prefetch: u32,
 }
 
 /// Settings for a [`Semaphore`]; made by [`Semaphore::builder`].
@@ -58,6 +60,7 @@ pub struct SemaphoreBuilder {
     /// The `semaphore` label of its metrics, when it is not the name (a partition set's name).
     label: Option<String>,
     classes: Classes,
+    prefetch: u32,
 }
 
 impl SemaphoreBuilder {
@@ -211,6 +214,42 @@ impl SemaphoreBuilder {
         self
     }
 
+    /// Lets this process take up to `n` free slots ahead of need while nobody waits, and hand
+    /// them out to plain acquires (one permit of [`Priority::NORMAL`], no tenant, no rate
+    /// limit decided with it) without a round trip. 0, the default, prefetches nothing.
+    ///
+    /// Each prefetched slot is an ordinary holder in the backend: leased, renewed and fenced
+    /// like any other, visible in [`snapshot`](Semaphore::snapshot), so the limit stays exact
+    /// across the fleet. Every reply to this process says whether anyone waits; once one says
+    /// so, the unused slots go back with the next call (at once, in the background), and none
+    /// is taken again until a reply says nobody waits. The price: a free slot may sit unused
+    /// in this process until its next call tells it of a waiter in another process (a busy
+    /// process calls every few requests; an idle one at its next renewal, a third of a lease).
+    ///
+    /// A handed-out permit's fencing token was issued when its slot was prefetched: unique,
+    /// and above every token issued before it, but a permit handed out later may carry a lower
+    /// token than one handed out earlier. Where a resource fences writes by token order across
+    /// holders, do not prefetch. Its lease is the slot's (renewed while it waited); its hold
+    /// time counts from the hand-out. Not with an [`adaptive`](Self::adaptive) limit (refused
+    /// at build). A [`QuorumBackend`](crate::QuorumBackend) does not tell of waiters: nothing
+    /// is prefetched there.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use tower_distributed_limit::{MemoryBackend, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("hot").limit(64).prefetch(8).build(MemoryBackend::new())?;
+    /// drop(sem.acquire().await?); // the first acquire goes to the backend and fills the pool
+    /// let _local = sem.acquire().await?; // later ones, while nobody waits, need no call
+    /// # Ok(()) }
+    /// ```
+    pub fn prefetch(mut self, n: u32) -> Self {
+        self.prefetch = n;
+        self
+    }
+
     /// Checks the settings and opens the semaphore on `backend`.
     ///
     /// # Errors
@@ -271,6 +310,20 @@ impl SemaphoreBuilder {
                 )));
             }
         }
+        if self.prefetch > 0 && self.adaptive.is_some() {
+            return Err(Error::config(format!(
+                "semaphore {:?}: prefetch with an adaptive limit is not supported: a prefetched \
+                 slot given back unused has no latency to teach the limit; drop one of the two",
+                self.name
+            )));
+        }
+        if self.prefetch > limit {
+            return Err(Error::config(format!(
+                "semaphore {:?}: prefetch {} is above its limit {limit}; prefetch at most the \
+                 limit (a few slots per process is the point)",
+                self.name, self.prefetch
+            )));
+        }
         if self.lease < Duration::from_millis(1) || self.lease > MAX_LEASE {
             return Err(Error::config(format!(
                 "semaphore {:?}: lease {:?} is outside 1 ms ..= 49 days",
@@ -317,6 +370,7 @@ impl SemaphoreBuilder {
                     outage: OutagePolicy::FailClosed,
                     claim: self.claim,
                     classes: Classes::default(),
+                    prefetch: 0,
                 };
                 Some(Semaphore::open(
                     settings,
@@ -337,6 +391,7 @@ impl SemaphoreBuilder {
             outage: self.outage,
             claim: self.claim,
             classes: self.classes,
+            prefetch: self.prefetch,
         };
         Ok(Semaphore::open(settings, &backend, fallback, false))
     }
@@ -372,6 +427,7 @@ impl Semaphore {
             claim: DEFAULT_CLAIM_WINDOW,
             label: None,
             classes: Classes::default(),
+            prefetch: 0,
         }
     }
 }

@@ -17,9 +17,11 @@ use crate::waitlist::{Waitlist, Wake};
 use crate::{Ask, Error, Priority, RateLimiter};
 
 mod builder;
+mod prefetch;
 
 pub use self::builder::SemaphoreBuilder;
 use self::builder::Settings;
+pub(crate) use self::prefetch::Pool;
 
 /// A counting semaphore shared by every process that builds one with the same name on the same
 /// backend: at most [`limit`](Semaphore::limit) permits are out at once, across all of them.
@@ -66,6 +68,9 @@ struct Core {
     /// policy); `None` when failing closed.
     fallback: Option<Semaphore>,
     outage_decisions: AtomicU64,
+    /// The slots taken ahead of need (`SemaphoreBuilder::prefetch`), where the backend tells
+    /// whether anyone waits.
+    prefetch: Option<Arc<prefetch::Pool>>,
 }
 
 impl std::fmt::Debug for Semaphore {
@@ -109,6 +114,10 @@ impl Semaphore {
             store,
             degraded,
         });
+        let prefetch = (settings.prefetch > 0)
+            .then(|| origin.store.crowding())
+            .flatten()
+            .map(|crowding| prefetch::Pool::new(settings.prefetch, crowding));
         Semaphore {
             inner: Arc::new(Core {
                 settings,
@@ -116,6 +125,7 @@ impl Semaphore {
                 waitlist,
                 fallback,
                 outage_decisions: AtomicU64::new(0),
+                prefetch,
             }),
         }
     }
@@ -284,6 +294,10 @@ impl Semaphore {
         async {
             self.check_weight(ask)?;
             let started = Instant::now();
+            if let Some(permit) = self.prefetched(ask, rate.is_some()) {
+                self.report(ask, Ok(Some(&permit)), started);
+                return Ok(permit);
+            }
             let deadline = deadline_after(started, self.inner.settings.acquire_timeout);
             let result = match self.wait_for(ask, started, deadline, rate).await {
                 Err(e @ Error::Backend(_)) => match self.fallback(e, ask.permits()) {
@@ -293,7 +307,7 @@ impl Semaphore {
                 other => other,
             };
             self.report(ask, result.as_ref().map(Some), started);
-            result
+            result.map(|permit| self.homed(permit, ask, rate.is_some()))
         }
         .instrument(self.span(ask, "wait"))
         .await
@@ -390,6 +404,10 @@ impl Semaphore {
         async {
             self.check_weight(ask)?;
             let started = Instant::now();
+            if let Some(permit) = self.prefetched(ask, rate.is_some()) {
+                self.report(ask, Ok(Some(&permit)), started);
+                return Ok(Some(permit));
+            }
             let result = match self.try_once(ask, rate).await {
                 Err(e @ Error::Backend(_)) => match self.fallback(e, ask.permits()) {
                     Ok(fallback) => fallback.try_once(ask, None).await,
@@ -398,7 +416,7 @@ impl Semaphore {
                 other => other,
             };
             self.report(ask, result.as_ref().map(Option::as_ref), started);
-            result
+            result.map(|permit| permit.map(|permit| self.homed(permit, ask, rate.is_some())))
         }
         .instrument(self.span(ask, "once"))
         .await

@@ -102,6 +102,8 @@ struct RedisSemaphore {
     warned: AtomicBool,
     /// The limit in force, as the last reply said (0: none yet).
     in_force: AtomicU32,
+    /// Whether anyone waits, as the last reply that tells said (see `Store::crowding`).
+    crowded: watch::Sender<bool>,
     outbox: Mutex<Outbox>,
 }
 
@@ -175,6 +177,7 @@ impl RedisSemaphore {
                 .map(|fence| (format!("{}dlimit-promoted", backend.prefix), fence)),
             warned: AtomicBool::new(false),
             in_force: AtomicU32::new(0),
+            crowded: watch::Sender::new(false),
             limit,
             limit_arg,
             adaptive: adaptive.is_some(),
@@ -411,6 +414,25 @@ impl RedisSemaphore {
     }
 
     /// Logs once when the limit in force is not the one this process was built with.
+    /// A release's reply: `{removed, anyone waits}`.
+    fn released_reply(&self, reply: &Value) -> Result<(), Error> {
+        match integers(reply).as_deref() {
+            Some(&[_, crowded]) => {
+                self.note_crowded(crowded);
+                Ok(())
+            }
+            _ => Err(unexpected(reply)),
+        }
+    }
+
+    /// A reply said whether anyone waits (`1`) or not.
+    fn note_crowded(&self, flag: i64) {
+        self.crowded.send_if_modified(|crowded| {
+            let was = std::mem::replace(crowded, flag == 1);
+            was != *crowded
+        });
+    }
+
     fn note_limit(&self, limit: i64) {
         if let Ok(limit) = u32::try_from(limit) {
             self.in_force.store(limit, Ordering::Relaxed);
@@ -440,7 +462,9 @@ impl RedisSemaphore {
             }
         }
         // `run` logs a failure; the leases are the fallback.
-        let _ = self.run("release", None, None, None, |_, _| {}).await;
+        if let Ok(reply) = self.run("release", None, None, None, |_, _| {}).await {
+            let _ = self.released_reply(&reply);
+        }
     }
 
     /// Makes sure a flush task will send the waiting releases, unless one is already due to.
@@ -640,8 +664,9 @@ impl RedisSemaphore {
             Some(&[3, limit]) => Ok(Attempt::TooHeavy {
                 limit: u32::try_from(limit).map_err(|_| unexpected(reply))?,
             }),
-            Some(&[1, token, left_us, now_us, _, ref rate @ ..]) => {
+            Some(&[1, token, left_us, now_us, _, crowded, ref rate @ ..]) => {
                 self.observe(sent, now_us);
+                self.note_crowded(crowded);
                 let rate = match *rate {
                     [] => None,
                     [remaining, reset_us] => Some(RateDecision {
@@ -661,6 +686,7 @@ impl RedisSemaphore {
             }
             Some(&[2, retry_ms, now_us, _]) => {
                 self.observe(sent, now_us);
+                self.note_crowded(1);
                 Ok(Attempt::Queued {
                     retry_in: millis(retry_ms),
                     clock: ClockReading {
@@ -802,13 +828,8 @@ impl Store for RedisSemaphore {
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
             let text = self.released(&member.text, ending);
-            match self
-                .run("release", None, Some(&text), None, |_, _| {})
-                .await?
-            {
-                Value::Int(_) => Ok(()),
-                other => Err(unexpected(&other)),
-            }
+            let reply = self.run("release", None, Some(&text), None, |_, _| {});
+            self.released_reply(&reply.await?)
         })
     }
 
@@ -847,8 +868,9 @@ impl Store for RedisSemaphore {
                     })
                     .await?;
                 match integers(&reply).as_deref() {
-                    Some([now_us, left @ ..]) if left.len() == batch.len() => {
+                    Some([now_us, crowded, left @ ..]) if left.len() == batch.len() => {
                         self.observe(sent, *now_us);
+                        self.note_crowded(*crowded);
                         renewed.extend(left.iter().copied().map(micros));
                     }
                     _ => return Err(unexpected(&reply)),
@@ -865,6 +887,10 @@ impl Store for RedisSemaphore {
                 other => Err(unexpected(&other)),
             }
         })
+    }
+
+    fn crowding(&self) -> Option<watch::Receiver<bool>> {
+        Some(self.crowded.subscribe())
     }
 
     fn reconnects(&self) -> Option<watch::Receiver<u64>> {

@@ -54,18 +54,20 @@
 -- its hold overloaded, then `@<µs>:` says how long its process held it), then the operation's
 -- arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
---       -> per member, in order: {1, token, left µs, now µs, limit[, rate remaining, rate
---          reset µs]} granted (the last two when the grant spent the rate)
+--       -> per member, in order: {1, token, left µs, now µs, limit, anyone waits (0|1)[, rate
+--          remaining, rate reset µs]} granted (the last two when the grant spent the rate)
 --          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
 --          | {4, retry µs, limit} refused by the rate limit (nothing added, nothing spent)
 --          (`limit`: the limit in force); a member also released by this call is not added.
 --          With KEYS[8] (a rate limiter's key, `gcra` of lua/gcra.lua) and rate > 0, a member
 --          that would be granted at once is granted only if the rate allows its cost, spent
 --          in the same call; one that queues spends nothing
---   release                      -> how many of the k members held or waited
+--   release                      -> {how many of the k members held or waited, anyone waits
+--                                    (0|1)}
 --   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
 --                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
---   renew <member>...            -> {now µs, then per member: µs left of its new lease, or 0 if
+--   renew <member>...            -> {now µs, anyone waits (0|1), then per member: µs left of
+--                                   its new lease, or 0 if
 --                                   it no longer holds (expired or removed: it is never added
 --                                   back)}
 --   used                         -> live weight

@@ -40,10 +40,11 @@ if op == 'acquire' then
       if allowed then
         local deadline
         token, deadline = grant(member, weight, lease, lease)
-        answer = {1, token, left(deadline), now_us, limit}
+        -- (The 6th, whether anyone waits, is set once every member is decided.)
+        answer = {1, token, left(deadline), now_us, limit, 0}
         if remaining then
           -- The rate was spent: what it left, for the RateLimit headers.
-          answer[6], answer[7] = remaining, reset_us
+          answer[7], answer[8] = remaining, reset_us
         end
       else
         answer = {4, retry_us, limit}
@@ -62,16 +63,19 @@ if op == 'acquire' then
     end
     table.insert(reply, answer)
   end
-  -- Those not granted learn when the earliest lease ends, read once after every decision.
+  -- Those not granted learn when the earliest lease ends, read once after every decision;
+  -- those granted, whether anyone waits (a process holding prefetched slots gives them back).
   local retry = nil
   for _, answer in ipairs(reply) do
     if answer[1] == 0 or answer[1] == 2 then
       retry = retry or retry_in()
       answer[2] = retry
+    elseif answer[1] == 1 then
+      answer[6] = waiting > 0 and 1 or 0
     end
   end
 elseif op == 'release' then
-  reply = removed
+  reply = {removed, waiting > 0 and 1 or 0}
 elseif op == 'touch' then
   reply = {retry_in()}
   for i = args, #ARGV do
@@ -81,7 +85,7 @@ elseif op == 'touch' then
     table.insert(reply, rest)
   end
 elseif op == 'renew' then
-  reply = {now_us}
+  reply = {now_us, waiting > 0 and 1 or 0}
   for i = args, #ARGV do
     local deadline = extend(ARGV[i])
     table.insert(reply, deadline and left(deadline) or 0)

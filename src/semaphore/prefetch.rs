@@ -1,0 +1,173 @@
+//! Prefetched permits ([`SemaphoreBuilder::prefetch`](super::SemaphoreBuilder::prefetch)):
+//! free slots this process holds ahead of need while nobody waits, each an ordinary holder in
+//! the backend (leased, renewed and fenced like any other), handed out and taken back without
+//! a round trip, and given back to the backend as soon as a reply says someone waits.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use tokio::sync::watch;
+
+use super::Semaphore;
+use crate::permit::Permit;
+use crate::sync::lock;
+use crate::{Ask, Error};
+
+/// One semaphore's prefetched slots in this process.
+pub(crate) struct Pool {
+    /// How many slots this process may hold ahead of need.
+    size: usize,
+    slots: Mutex<Vec<Permit>>,
+    /// Whether anyone waits, as the backend's last reply said.
+    crowding: watch::Receiver<bool>,
+    refilling: AtomicBool,
+    /// The task that gives the slots back when someone starts waiting was spawned.
+    watching: AtomicBool,
+}
+
+impl Pool {
+    /// Prefetching `size` slots, told of waiters by `crowding`.
+    pub(super) fn new(size: u32, crowding: watch::Receiver<bool>) -> Arc<Self> {
+        Arc::new(Pool {
+            size: usize::try_from(size).unwrap_or(usize::MAX),
+            slots: Mutex::default(),
+            crowding,
+            refilling: AtomicBool::new(false),
+            watching: AtomicBool::new(false),
+        })
+    }
+
+    fn crowded(&self) -> bool {
+        *self.crowding.borrow()
+    }
+
+    /// A slot whose lease still holds, if one is left.
+    fn take(&self) -> Option<Permit> {
+        let mut lost = Vec::new();
+        let mut slots = lock(&self.slots);
+        let mut found = None;
+        while let Some(permit) = slots.pop() {
+            if !permit.is_lost() {
+                found = Some(permit);
+                break;
+            }
+            lost.push(permit);
+        }
+        // Permits are dropped outside the lock: a drop may ask the pool to take one back.
+        drop(slots);
+        drop(lost);
+        found
+    }
+
+    /// Whether a permit done with goes back to the pool (room, and nobody waits) rather than
+    /// to the backend.
+    pub(crate) fn wants_back(&self) -> bool {
+        !self.crowded() && lock(&self.slots).len() < self.size
+    }
+
+    /// Keeps `permit` for the next acquire (released instead when the pool filled meanwhile).
+    pub(crate) fn put(&self, permit: Permit) {
+        let mut slots = lock(&self.slots);
+        let full = if slots.len() < self.size {
+            slots.push(permit);
+            None
+        } else {
+            Some(permit)
+        };
+        // Outside the lock: the drop releases it.
+        drop(slots);
+        drop(full);
+    }
+
+    /// Every unused slot back to the backend (released in the background, with the next call).
+    fn give_back(&self) {
+        let unused = std::mem::take(&mut *lock(&self.slots));
+        drop(unused);
+    }
+
+    fn unused(&self) -> usize {
+        lock(&self.slots).len()
+    }
+}
+
+impl Semaphore {
+    /// A prefetched permit for `ask`, if prefetching serves it: one permit of NORMAL without a
+    /// tenant or a rate decided with it, while nobody waits. Tops the pool up in the
+    /// background when it runs low.
+    pub(super) fn prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
+        let pool = self.plain_pool(ask, rated)?;
+        if pool.crowded() {
+            pool.give_back();
+            return None;
+        }
+        let permit = pool.take()?;
+        self.refill(pool);
+        Some(permit.handed_out())
+    }
+
+    /// `permit`, granted for `ask` by the backend (the pool had none), returns to the pool
+    /// when done with, if prefetching serves `ask`; the pool is topped up now that this
+    /// acquire has its slot (not before: the refill would take the slot it needs).
+    pub(super) fn homed(&self, permit: Permit, ask: &Ask, rated: bool) -> Permit {
+        match self.plain_pool(ask, rated) {
+            Some(pool) if !permit.is_degraded() => {
+                self.refill(pool);
+                permit.homed(Arc::downgrade(pool))
+            }
+            _ => permit,
+        }
+    }
+
+    fn plain_pool(&self, ask: &Ask, rated: bool) -> Option<&Arc<Pool>> {
+        let pool = self.inner.prefetch.as_ref()?;
+        (!rated && *ask == Ask::new()).then_some(pool)
+    }
+
+    /// Once the pool is half empty, takes free slots until it is full, in one backend call
+    /// (the acquires go together) on a task of its own, while nobody waits; gives them back if
+    /// a reply said someone waits meanwhile.
+    fn refill(&self, pool: &Arc<Pool>) {
+        if pool.crowded() || pool.unused() * 2 > pool.size {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if pool.refilling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if !pool.watching.swap(true, Ordering::AcqRel) {
+            runtime.spawn(give_back_when_crowded(
+                Arc::downgrade(pool),
+                pool.crowding.clone(),
+            ));
+        }
+        let (semaphore, pool) = (self.clone(), pool.clone());
+        runtime.spawn(async move {
+            let plain = Ask::new();
+            let wanted = pool.size.saturating_sub(pool.unused());
+            let taken = (0..wanted).map(|_| semaphore.try_once(&plain, None));
+            let taken: Vec<Result<Option<Permit>, Error>> =
+                futures_util::future::join_all(taken).await;
+            for permit in taken.into_iter().filter_map(|taken| taken.ok().flatten()) {
+                pool.put(permit.homed(Arc::downgrade(&pool)));
+            }
+            if pool.crowded() {
+                pool.give_back();
+            }
+            pool.refilling.store(false, Ordering::Release);
+        });
+    }
+}
+
+/// Gives the pool back each time a reply says someone started waiting, while the pool lives
+/// (the store, which holds `crowding`'s sender, outlives it).
+async fn give_back_when_crowded(pool: Weak<Pool>, mut crowding: watch::Receiver<bool>) {
+    while crowding.changed().await.is_ok() {
+        if !*crowding.borrow_and_update() {
+            continue;
+        }
+        let Some(pool) = pool.upgrade() else { return };
+        pool.give_back();
+    }
+}
