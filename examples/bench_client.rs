@@ -8,7 +8,8 @@
 //! ```
 //!
 //! `--cluster-urls a,b,c` runs the semaphore on a Redis Cluster, `--quorum-urls a,b,c` on a
-//! QuorumBackend of independent masters (see `scripts/bench-topologies`).
+//! QuorumBackend of independent masters (see `scripts/bench-topologies`); `--prefetch N`
+//! prefetches N slots (`RUST_CLIENT="$PWD/target/release/examples/bench_client --prefetch 4"`).
 //!
 //! Round trips are counted from the crate's own `trace!` event per Redis command (target
 //! `tower_distributed_limit::redis`), plus the observer's INCR/DECR.
@@ -145,8 +146,11 @@ async fn load(url: &str, args: &Args) -> serde_json::Value {
     // `--cluster-urls a,b,c` (scripts/bench-topologies): the semaphore lives on a Redis
     // Cluster; the harness and the observer talk to the node at --host/--port.
     // `--quorum-urls a,b,c`: on a QuorumBackend of independent masters.
+    // `--prefetch N`: slots held ahead of need while nobody waits (`SemaphoreBuilder::prefetch`).
+    let prefetch = num(args, "prefetch", 0.0) as u32;
     let builder = Semaphore::builder(key)
         .limit(limit)
+        .prefetch(prefetch)
         .acquire_timeout(acquire_timeout);
     let sem = if let Some(urls) = args.get("quorum-urls") {
         let urls: Vec<&str> = urls.split(',').collect();

@@ -337,6 +337,11 @@ impl Permit {
         self.home = Some(pool);
         self
     }
+
+    /// Released to the backend when dropped, whatever its pool wants.
+    pub(crate) fn unhome(&mut self) {
+        self.home = None;
+    }
 }
 
 impl Drop for Permit {

@@ -59,24 +59,23 @@ impl Pool {
         found
     }
 
-    /// Whether a permit done with goes back to the pool (room, and nobody waits) rather than
-    /// to the backend.
+    /// Whether a permit done with may go back to the pool rather than to the backend: nobody
+    /// waits (`put` checks the room).
     pub(crate) fn wants_back(&self) -> bool {
-        !self.crowded() && lock(&self.slots).len() < self.size
+        !self.crowded()
     }
 
-    /// Keeps `permit` for the next acquire (released instead when the pool filled meanwhile).
-    pub(crate) fn put(&self, permit: Permit) {
+    /// Keeps `permit` for the next acquire; released instead, without a home, when the pool
+    /// is full.
+    pub(crate) fn put(&self, mut permit: Permit) {
         let mut slots = lock(&self.slots);
-        let full = if slots.len() < self.size {
+        if slots.len() < self.size {
             slots.push(permit);
-            None
-        } else {
-            Some(permit)
-        };
-        // Outside the lock: the drop releases it.
+            return;
+        }
         drop(slots);
-        drop(full);
+        // Outside the lock, and homeless: its drop releases it.
+        permit.unhome();
     }
 
     /// Every unused slot back to the backend (released in the background, with the next call).
