@@ -226,11 +226,13 @@ impl SemaphoreBuilder {
     /// in this process until its next call tells it of a waiter in another process (a busy
     /// process calls every few requests; an idle one at its next renewal, a third of a lease).
     ///
-    /// A handed-out permit's fencing token was issued when its slot was prefetched: unique,
-    /// and above every token issued before it, but a permit handed out later may carry a lower
-    /// token than one handed out earlier. Where a resource fences writes by token order across
-    /// holders, do not prefetch. Its lease is the slot's (renewed while it waited); its hold
-    /// time counts from the hand-out. Not with an [`adaptive`](Self::adaptive) limit (refused
+    /// A dropped permit goes back to the pool (its slot stays held) unless someone waits or
+    /// the pool is full. A handed-out permit's [`id`](crate::Permit::id) and fencing token are
+    /// its slot's, issued when the slot was prefetched: unique among slots and above every
+    /// token issued before, but a permit handed out later may carry a lower token, and one
+    /// slot handed out twice carries the same token twice. Where a resource fences writes by
+    /// token, do not prefetch. Its lease is the slot's (renewed while it waited); its hold time
+    /// counts from the hand-out. Not with an [`adaptive`](Self::adaptive) limit (refused
     /// at build). A [`QuorumBackend`](crate::QuorumBackend) does not tell of waiters: nothing
     /// is prefetched there.
     ///
