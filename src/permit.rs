@@ -338,6 +338,11 @@ impl Permit {
         self
     }
 
+    /// Its member in the backend.
+    pub(crate) fn member(&self) -> &Member {
+        self.claim.member()
+    }
+
     /// Released to the backend when dropped, whatever its pool wants.
     pub(crate) fn unhome(&mut self) {
         self.home = None;

@@ -140,7 +140,7 @@ async fn acquires_are_local_while_nobody_waits() {
 }
 
 /// A waiter in another process gets a slot the prefetcher holds unused: the prefetcher learns
-/// of it with its next call (here its renewal, a third of the 2 s lease) and gives the pool back.
+/// of it with its next call (here its check, every 50 ms) and gives the pool back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_elsewhere_gets_the_unused_slots() {
     let redis = support::Redis::start().await;
@@ -192,8 +192,7 @@ async fn a_waiter_elsewhere_gets_the_unused_slots_in_process() {
         other.snapshot().await.unwrap().waiting == 1
     })
     .await;
-    // `a`'s next call (its acquire finds its pool; the backend is told nothing) comes with
-    // its renewal at the latest.
+    // `a` learns of the waiter with its next call: its check of the pool.
     let permit = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
         .expect("a waiter starved beside unused prefetched slots")

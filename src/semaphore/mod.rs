@@ -117,7 +117,7 @@ impl Semaphore {
         let prefetch = (settings.prefetch > 0)
             .then(|| origin.store.crowding())
             .flatten()
-            .map(|crowding| prefetch::Pool::new(settings.prefetch, crowding));
+            .map(|crowding| prefetch::Pool::new(settings.prefetch, origin.store.clone(), crowding));
         Semaphore {
             inner: Arc::new(Core {
                 settings,

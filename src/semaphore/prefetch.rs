@@ -5,13 +5,21 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use tokio::sync::watch;
 
 use super::Semaphore;
+use crate::backend::Store;
 use crate::permit::Permit;
 use crate::sync::lock;
 use crate::{Ask, Error};
+
+/// How often a process holding prefetched slots asks the backend whether anyone waits, when
+/// nothing else it sends tells it (its hand-outs and returns need no call): what bounds how
+/// long a waiter elsewhere waits beside slots prefetched and unused (20 calls a second per
+/// process, whatever its load).
+const CHECK: Duration = Duration::from_millis(50);
 
 /// One semaphore's prefetched slots in this process.
 pub(crate) struct Pool {
@@ -20,18 +28,25 @@ pub(crate) struct Pool {
     slots: Mutex<Vec<Permit>>,
     /// Whether anyone waits, as the backend's last reply said.
     crowding: watch::Receiver<bool>,
+    /// Asked every [`CHECK`] while slots are pooled (a renewal of them, which says).
+    store: Arc<dyn Store>,
     refilling: AtomicBool,
     /// The task that gives the slots back when someone starts waiting was spawned.
     watching: AtomicBool,
 }
 
 impl Pool {
-    /// Prefetching `size` slots, told of waiters by `crowding`.
-    pub(super) fn new(size: u32, crowding: watch::Receiver<bool>) -> Arc<Self> {
+    /// Prefetching `size` slots of `store`, told of waiters by `crowding`.
+    pub(super) fn new(
+        size: u32,
+        store: Arc<dyn Store>,
+        crowding: watch::Receiver<bool>,
+    ) -> Arc<Self> {
         Arc::new(Pool {
             size: usize::try_from(size).unwrap_or(usize::MAX),
             slots: Mutex::default(),
             crowding,
+            store,
             refilling: AtomicBool::new(false),
             watching: AtomicBool::new(false),
         })
@@ -136,7 +151,7 @@ impl Semaphore {
             return;
         }
         if !pool.watching.swap(true, Ordering::AcqRel) {
-            runtime.spawn(give_back_when_crowded(
+            runtime.spawn(watch_for_waiters(
                 Arc::downgrade(pool),
                 pool.crowding.clone(),
             ));
@@ -159,14 +174,36 @@ impl Semaphore {
     }
 }
 
-/// Gives the pool back each time a reply says someone started waiting, while the pool lives
-/// (the store, which holds `crowding`'s sender, outlives it).
-async fn give_back_when_crowded(pool: Weak<Pool>, mut crowding: watch::Receiver<bool>) {
-    while crowding.changed().await.is_ok() {
-        if !*crowding.borrow_and_update() {
-            continue;
+/// While the pool lives: gives it back each time a reply says someone started waiting, and
+/// every [`CHECK`] renews the slots it holds, whose reply says whether anyone waits.
+async fn watch_for_waiters(pool: Weak<Pool>, mut crowding: watch::Receiver<bool>) {
+    let mut check = tokio::time::interval(CHECK);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            changed = crowding.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                if *crowding.borrow_and_update() {
+                    let Some(pool) = pool.upgrade() else { return };
+                    pool.give_back();
+                }
+            }
+            _ = check.tick() => {
+                let Some(pool) = pool.upgrade() else { return };
+                let members: Vec<_> = lock(&pool.slots)
+                    .iter()
+                    .map(|permit| permit.member().clone())
+                    .collect();
+                let store = pool.store.clone();
+                // Not holding the pool while the call is out: it may be dropped meanwhile.
+                drop(pool);
+                if !members.is_empty() {
+                    // A failure is the keeper's to notice; the check only listens.
+                    let _ = store.renew(&members).await;
+                }
+            }
         }
-        let Some(pool) = pool.upgrade() else { return };
-        pool.give_back();
     }
 }
