@@ -28,7 +28,7 @@ pub(crate) struct Pool {
     slots: Mutex<Vec<Permit>>,
     /// Whether anyone waits, as the backend's last reply said.
     crowding: watch::Receiver<bool>,
-    /// Asked every [`CHECK`] while slots are pooled (a renewal of them, which says).
+    /// Asked every [`CHECK`] while slots are pooled (a renewal of one, which says).
     store: Arc<dyn Store>,
     refilling: AtomicBool,
     /// The task that gives the slots back when someone starts waiting was spawned.
@@ -175,7 +175,8 @@ impl Semaphore {
 }
 
 /// While the pool lives: gives it back each time a reply says someone started waiting, and
-/// every [`CHECK`] renews the slots it holds, whose reply says whether anyone waits.
+/// every [`CHECK`] renews one of the slots it holds (the keeper renews them all on its own
+/// schedule), whose reply says whether anyone waits.
 async fn watch_for_waiters(pool: Weak<Pool>, mut crowding: watch::Receiver<bool>) {
     let mut check = tokio::time::interval(CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -193,8 +194,9 @@ async fn watch_for_waiters(pool: Weak<Pool>, mut crowding: watch::Receiver<bool>
             _ = check.tick() => {
                 let Some(pool) = pool.upgrade() else { return };
                 let members: Vec<_> = lock(&pool.slots)
-                    .iter()
+                    .first()
                     .map(|permit| permit.member().clone())
+                    .into_iter()
                     .collect();
                 let store = pool.store.clone();
                 // Not holding the pool while the call is out: it may be dropped meanwhile.
