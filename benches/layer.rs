@@ -116,6 +116,21 @@ fn layer_overhead(c: &mut Criterion) {
         "http",
         layer.clone().http().layer(service_fn(hello)),
     );
+    // The same on a semaphore that prefetches its slot: acquire and release never reach the
+    // backend (the cost of the layer and the pool alone).
+    let prefetched = Semaphore::builder("bench-prefetched")
+        .limit(1)
+        .prefetch(1)
+        .build(MemoryBackend::new())
+        .expect("valid settings");
+    bench(
+        &mut group,
+        &rt,
+        "http_prefetched",
+        DistributedConcurrencyLimitLayer::new(prefetched)
+            .http()
+            .layer(service_fn(hello)),
+    );
     bench(
         &mut group,
         &rt,

@@ -57,6 +57,10 @@ impl Acquire {
         wait: bool,
         rate: Option<RateLimiter>,
     ) -> Self {
+        // A slot this process prefetched needs no wait and no future.
+        if let Some(permit) = semaphore.take_prefetched(&ask, rate.is_some()) {
+            return Acquire::Now(Some(Ok(Held::from(permit))));
+        }
         Acquire::Later(Box::pin(async move {
             match rate {
                 None if wait => semaphore.acquire_with(ask).await,

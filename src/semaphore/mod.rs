@@ -291,13 +291,12 @@ impl Semaphore {
 
     /// `acquire_with`, with the rate limit it may decide in the same call.
     async fn acquire_asked(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Permit, Error> {
+        if let Some(permit) = self.take_prefetched(ask, rate.is_some()) {
+            return Ok(permit);
+        }
         async {
             self.check_weight(ask)?;
             let started = Instant::now();
-            if let Some(permit) = self.prefetched(ask, rate.is_some()) {
-                self.report(ask, Ok(Some(&permit)), started);
-                return Ok(permit);
-            }
             let deadline = deadline_after(started, self.inner.settings.acquire_timeout);
             let result = match self.wait_for(ask, started, deadline, rate).await {
                 Err(e @ Error::Backend(_)) => match self.fallback(e, ask.permits()) {
@@ -401,13 +400,12 @@ impl Semaphore {
 
     /// `try_acquire_with`, with the rate limit it may decide in the same call.
     async fn try_asked(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
+        if let Some(permit) = self.take_prefetched(ask, rate.is_some()) {
+            return Ok(Some(permit));
+        }
         async {
             self.check_weight(ask)?;
             let started = Instant::now();
-            if let Some(permit) = self.prefetched(ask, rate.is_some()) {
-                self.report(ask, Ok(Some(&permit)), started);
-                return Ok(Some(permit));
-            }
             let result = match self.try_once(ask, rate).await {
                 Err(e @ Error::Backend(_)) => match self.fallback(e, ask.permits()) {
                     Ok(fallback) => fallback.try_once(ask, None).await,

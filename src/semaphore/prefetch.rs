@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use super::Semaphore;
 use crate::backend::Store;
@@ -105,10 +106,20 @@ impl Pool {
 }
 
 impl Semaphore {
+    /// A prefetched permit for `ask`, counted as an acquisition, if prefetching serves it
+    /// (see [`prefetched`](Self::prefetched)); synchronous, so the layer skips its acquire
+    /// future for it.
+    pub(crate) fn take_prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
+        let started = Instant::now();
+        let permit = self.prefetched(ask, rated)?;
+        self.report(ask, Ok(Some(&permit)), started);
+        Some(permit)
+    }
+
     /// A prefetched permit for `ask`, if prefetching serves it: one permit of NORMAL without a
     /// tenant or a rate decided with it, while nobody waits. Tops the pool up in the
     /// background when it runs low.
-    pub(super) fn prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
+    fn prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
         let pool = self.plain_pool(ask, rated)?;
         if pool.crowded() {
             pool.give_back();
