@@ -413,7 +413,6 @@ impl RedisSemaphore {
         text.into()
     }
 
-    /// Logs once when the limit in force is not the one this process was built with.
     /// A release's reply: `{removed, anyone waits}`.
     fn released_reply(&self, reply: &Value) -> Result<(), Error> {
         match integers(reply).as_deref() {
@@ -433,6 +432,7 @@ impl RedisSemaphore {
         });
     }
 
+    /// Logs once when the limit in force is not the one this process was built with.
     fn note_limit(&self, limit: i64) {
         if let Ok(limit) = u32::try_from(limit) {
             self.in_force.store(limit, Ordering::Relaxed);
