@@ -83,11 +83,17 @@ pub(crate) struct Claim {
 }
 
 impl Claim {
-    /// A fresh member asking `ask`, with the semaphore's lease.
-    pub(crate) fn new(origin: &Arc<Origin>, ask: &crate::Ask, lease: Duration) -> Self {
+    /// A fresh member asking `ask`, with the semaphore's lease; `pooled`: its slot may go to
+    /// the prefetch pool.
+    pub(crate) fn new(
+        origin: &Arc<Origin>,
+        ask: &crate::Ask,
+        lease: Duration,
+        pooled: bool,
+    ) -> Self {
         Claim {
             origin: origin.clone(),
-            member: Member::asking(ask, lease),
+            member: Member::asking(ask, lease, pooled),
             armed: true,
             granted: None,
             rate: None,

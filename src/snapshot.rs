@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::Priority;
+use crate::backend::Member;
 use crate::class::Classes;
 
 /// A semaphore now, across every process: the limit every process admits by, the weight held,
@@ -139,4 +140,30 @@ pub struct Holder {
     pub process: String,
     /// Its class ([`Priority::NORMAL`](crate::Priority::NORMAL) unless it asked for another).
     pub class: Priority,
+    /// Its slot belongs to its process's prefetch pool
+    /// ([`SemaphoreBuilder::prefetch`](crate::SemaphoreBuilder::prefetch)): held ahead of
+    /// need, idle there or handed out to a request, and given back once anyone waits.
+    pub prefetched: bool,
+}
+
+impl Holder {
+    /// The holder whose member text is `member` (its id, weight, class and pool read from the
+    /// text); `None` for a text no process of this crate writes.
+    pub(crate) fn of(
+        member: &str,
+        held_for: Duration,
+        lease_remaining: Duration,
+        process: String,
+    ) -> Option<Holder> {
+        let read = Member::read(member)?;
+        Some(Holder {
+            id: read.id.to_owned(),
+            weight: read.weight,
+            held_for,
+            lease_remaining,
+            process,
+            class: read.class,
+            prefetched: read.pooled,
+        })
+    }
 }

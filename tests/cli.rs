@@ -92,6 +92,7 @@ async fn an_operator_sees_and_changes_live_semaphores() {
     assert_eq!(json["pinned"], false);
     assert_eq!(json["holders"][0]["id"], heavy.id());
     assert_eq!(json["holders"][0]["weight"], 3);
+    assert_eq!(json["holders"][0]["prefetched"], false);
     assert!(
         json["holders"][0]["process"]
             .as_str()
@@ -109,6 +110,36 @@ async fn an_operator_sees_and_changes_live_semaphores() {
     assert!(refused(&unknown, 1).contains("no holder nobody"));
     // The evicted permit learns at its next renewal.
     drop(heavy);
+}
+
+/// Slots a process prefetched are marked as its pool's, in `show` and its JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn show_marks_prefetched_holders() {
+    let redis = Redis::start().await;
+    let hot = Semaphore::builder("hot")
+        .limit(4)
+        .prefetch(2)
+        .build(redis.backend().await)
+        .unwrap();
+    let plain = semaphore("hot", 4, redis.backend().await);
+    drop(hot.acquire().await.unwrap());
+    let _held = plain.acquire().await.unwrap();
+    support::eventually(Duration::from_secs(5), "the pool filled", || async {
+        hot.snapshot().await.unwrap().used == 3
+    })
+    .await;
+    let show = stdout(&dlimit(&redis, &["show", "hot"]).await);
+    assert_eq!(show.matches("prefetched").count(), 2, "{show}");
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&dlimit(&redis, &["show", "hot", "--json"]).await)).unwrap();
+    let marks: Vec<_> = json["holders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|holder| holder["prefetched"].as_bool().unwrap())
+        .collect();
+    assert_eq!(marks.iter().filter(|&&pooled| pooled).count(), 2, "{json}");
+    assert_eq!(marks.len(), 3, "{json}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

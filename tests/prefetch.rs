@@ -122,6 +122,15 @@ async fn acquires_are_local_while_nobody_waits() {
         sem.snapshot().await.unwrap().used == 8
     })
     .await;
+    // The operator sees them as the pool's; a heavier permit, which never goes there, not.
+    let heavy = sem.acquire_many(2).await.unwrap();
+    let holders = sem.snapshot().await.unwrap().holders;
+    let pooled = |holder: &&tower_distributed_limit::Holder| holder.prefetched;
+    assert_eq!(holders.iter().filter(pooled).count(), 8, "{holders:?}");
+    let unpooled: Vec<_> = holders.iter().filter(|holder| !holder.prefetched).collect();
+    assert_eq!(unpooled.len(), 1, "{holders:?}");
+    assert_eq!(unpooled[0].id, heavy.id());
+    drop(heavy);
     let before = redis.evalsha_calls().await;
     for _ in 0..100 {
         let permit = sem.acquire().await.unwrap();
@@ -184,6 +193,11 @@ async fn a_waiter_elsewhere_gets_the_unused_slots_in_process() {
         || async { a.snapshot().await.unwrap().used == 2 },
     )
     .await;
+    let holders = a.snapshot().await.unwrap().holders;
+    assert!(
+        holders.iter().all(|holder| holder.prefetched),
+        "{holders:?}"
+    );
     let waiter = {
         let other = other.clone();
         tokio::spawn(async move { other.acquire().await })

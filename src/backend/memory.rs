@@ -598,16 +598,14 @@ impl Store for MemorySemaphore {
             let mut holders: Vec<(Instant, Holder)> = permits
                 .holders
                 .iter()
-                .map(|(member, holding)| {
-                    let holder = Holder {
-                        id: member.split(':').next().unwrap_or_default().to_owned(),
-                        weight: holding.weight,
-                        held_for: now.saturating_duration_since(holding.granted),
-                        lease_remaining: holding.deadline.saturating_duration_since(now),
-                        process: process_name().to_owned(),
-                        class: holding.priority,
-                    };
-                    (holding.granted, holder)
+                .filter_map(|(member, holding)| {
+                    let holder = Holder::of(
+                        member,
+                        now.saturating_duration_since(holding.granted),
+                        holding.deadline.saturating_duration_since(now),
+                        process_name().to_owned(),
+                    )?;
+                    Some((holding.granted, holder))
                 })
                 .collect();
             holders.sort_by_key(|(granted, _)| *granted);

@@ -51,9 +51,10 @@ pub struct Opened {
 }
 
 /// One acquisition's identity in a backend: `"<random id>:<weight>:<lease ms>"`, with
-/// `:c<level>` after the id for a class other than [`Priority::NORMAL`] and then `:t<16 hex>`
-/// for a tenant, so any process that admits it from the line knows its class, tenant, weight
-/// and lease. Equal when the text is.
+/// `:c<level>` after the id for a class other than [`Priority::NORMAL`], then `:t<16 hex>`
+/// for a tenant, then `:p` for a slot a prefetching process may keep in its pool, so any
+/// process that admits it from the line knows its class, tenant, weight and lease (and an
+/// operator which holders are pooled). Equal when the text is.
 #[derive(Clone, Debug)]
 pub(crate) struct Member {
     pub(crate) text: Arc<str>,
@@ -105,11 +106,12 @@ impl Member {
     /// A fresh holder of `weight` in [`Priority::NORMAL`].
     #[cfg(test)]
     pub(crate) fn new(weight: u32, lease: Duration) -> Self {
-        Self::asking(&crate::Ask::new().weight(weight), lease)
+        Self::asking(&crate::Ask::new().weight(weight), lease, false)
     }
 
-    /// A fresh holder id, never reused (this process's tag, then 96 random bits), for `ask`.
-    pub(crate) fn asking(ask: &crate::Ask, lease: Duration) -> Self {
+    /// A fresh holder id, never reused (this process's tag, then 96 random bits), for `ask`;
+    /// `pooled`: its slot may go to this process's prefetch pool.
+    pub(crate) fn asking(ask: &crate::Ask, lease: Duration, pooled: bool) -> Self {
         let (weight, priority) = (ask.permits(), ask.class());
         use std::fmt::Write;
         const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -129,6 +131,9 @@ impl Member {
         if let Some(tenant) = ask.tenant_id() {
             let _ = write!(text, ":t{tenant:016x}");
         }
+        if pooled {
+            text.push_str(":p");
+        }
         let _ = write!(text, ":{weight}:{}", lease.as_millis());
         Member {
             text: text.into(),
@@ -139,25 +144,42 @@ impl Member {
         }
     }
 
-    /// A member's text read back (from a backend's snapshot): its id, class and weight.
-    pub(crate) fn read(text: &str) -> Option<(&str, Priority, u32)> {
+    /// A member's text read back (from a backend's snapshot); `None` for a text no process
+    /// of this crate writes.
+    pub(crate) fn read(text: &str) -> Option<Read<'_>> {
         let (head, _lease) = text.rsplit_once(':')?;
         let (head, weight) = head.rsplit_once(':')?;
         let mut parts = head.split(':');
         let id = parts.next()?;
-        let mut priority = Priority::NORMAL;
+        let mut read = Read {
+            id,
+            class: Priority::NORMAL,
+            weight: weight.parse().ok()?,
+            pooled: false,
+        };
         for part in parts {
             if let Some(level) = part.strip_prefix('c') {
-                priority = Priority::new(level.parse().ok()?);
+                read.class = Priority::new(level.parse().ok()?);
             }
+            read.pooled |= part == "p";
         }
-        Some((id, priority, weight.parse().ok()?))
+        Some(read)
     }
 
     /// The random id alone.
     pub(crate) fn id(&self) -> &str {
         &self.text[..ID_LEN]
     }
+}
+
+/// What a member's text says of it ([`Member::read`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Read<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) class: Priority,
+    pub(crate) weight: u32,
+    /// Its slot may sit in a prefetching process's pool.
+    pub(crate) pooled: bool,
 }
 
 impl PartialEq for Member {
@@ -316,25 +338,39 @@ mod tests {
         assert_eq!(member.id(), id);
         assert_eq!(id[..TAG_LEN], format!("{:08x}", process_tag()));
         assert_ne!(Member::new(3, Duration::from_millis(1500)), member);
+        let read = |text, class, weight, pooled| {
+            Some(Read {
+                id: &text[..ID_LEN],
+                class,
+                weight,
+                pooled,
+            })
+        };
         let batch = crate::Ask::new().weight(2).priority(Priority::BATCH);
-        let member = Member::asking(&batch, Duration::from_millis(900));
+        let member = Member::asking(&batch, Duration::from_millis(900), false);
         assert_eq!(&member.text[ID_LEN..], ":c2:2:900");
         assert_eq!(
             Member::read(&member.text),
-            Some((member.id(), Priority::BATCH, 2))
+            read(&member.text, Priority::BATCH, 2, false)
         );
         let plain = Member::new(3, Duration::from_millis(9));
         assert_eq!(
             Member::read(&plain.text),
-            Some((plain.id(), Priority::NORMAL, 3))
+            read(&plain.text, Priority::NORMAL, 3, false)
         );
         let tenant = crate::Ask::new().priority(Priority::BATCH).tenant("acme");
-        let member = Member::asking(&tenant, Duration::from_millis(900));
+        let member = Member::asking(&tenant, Duration::from_millis(900), false);
         let hex = format!(":c2:t{:016x}:1:900", tenant.tenant_id().unwrap_or_default());
         assert_eq!(&member.text[ID_LEN..], hex);
         assert_eq!(
             Member::read(&member.text),
-            Some((member.id(), Priority::BATCH, 1))
+            read(&member.text, Priority::BATCH, 1, false)
+        );
+        let pooled = Member::asking(&crate::Ask::new(), Duration::from_millis(900), true);
+        assert_eq!(&pooled.text[ID_LEN..], ":p:1:900");
+        assert_eq!(
+            Member::read(&pooled.text),
+            read(&pooled.text, Priority::NORMAL, 1, true)
         );
         assert_eq!(Member::read("junk"), None);
     }

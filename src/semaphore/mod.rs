@@ -421,7 +421,7 @@ impl Semaphore {
     }
 
     async fn try_once(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
-        let claim = self.claim(ask);
+        let claim = self.claim(ask, rate.is_some());
         let sent = Instant::now();
         let attempt = self
             .inner
@@ -654,8 +654,10 @@ impl Semaphore {
         Ok(())
     }
 
-    fn claim(&self, ask: &Ask) -> Claim {
-        Claim::new(&self.inner.origin, ask, self.inner.settings.lease)
+    /// A fresh member for `ask`, marked as the pool's when its slot may go there.
+    fn claim(&self, ask: &Ask, rated: bool) -> Claim {
+        let pooled = self.plain_pool(ask, rated).is_some();
+        Claim::new(&self.inner.origin, ask, self.inner.settings.lease, pooled)
     }
 
     /// Waits for a permit until `deadline`. A grant that reached this process only after its
@@ -700,7 +702,7 @@ impl Semaphore {
         rate: Option<&Rated>,
     ) -> Result<Option<Permit>, Error> {
         let store = &self.inner.origin.store;
-        let claim = self.claim(ask);
+        let claim = self.claim(ask, rate.is_some());
         let registered = self
             .inner
             .waitlist

@@ -143,7 +143,7 @@ impl Semaphore {
         }
     }
 
-    fn plain_pool(&self, ask: &Ask, rated: bool) -> Option<&Arc<Pool>> {
+    pub(super) fn plain_pool(&self, ask: &Ask, rated: bool) -> Option<&Arc<Pool>> {
         let pool = self.inner.prefetch.as_ref()?;
         (!rated && *ask == Ask::new()).then_some(pool)
     }

@@ -11,13 +11,13 @@ use tokio::time::Instant;
 
 use super::grant::Try;
 use super::semaphore::{QuorumSemaphore, integer};
+use crate::Error;
 use crate::backend::gcra::Rated;
 use crate::backend::store::{Attempt, Ending, Member, Mode, Store};
 use crate::class::Classes;
 use crate::snapshot::{Holder, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, Refresh, Status};
-use crate::{Error, Priority};
 
 impl Store for QuorumSemaphore {
     fn acquire<'a>(
@@ -165,13 +165,15 @@ impl Store for QuorumSemaphore {
             let limit = limits.get(limits.len() / 2).copied().unwrap_or(0);
             let holders: Vec<Holder> = holders
                 .into_iter()
-                .map(|(member, (weight, left))| Holder {
-                    id: member.split(':').next().unwrap_or_default().to_owned(),
-                    weight,
-                    held_for: Duration::ZERO,
-                    lease_remaining: Duration::from_millis(left.max(0).unsigned_abs()),
-                    process: String::new(),
-                    class: Member::read(&member).map_or(Priority::NORMAL, |(_, class, _)| class),
+                .filter_map(|(member, (slots, left))| {
+                    let left = Duration::from_millis(left.max(0).unsigned_abs());
+                    let holder = Holder::of(&member, Duration::ZERO, left, String::new())?;
+                    // A member holds one slot per permit: what it holds is what a majority
+                    // agrees on.
+                    Some(Holder {
+                        weight: slots,
+                        ..holder
+                    })
                 })
                 .collect();
             let mut snapshot = Snapshot {

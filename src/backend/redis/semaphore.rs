@@ -1007,24 +1007,17 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
                 return None;
             };
             let member = std::str::from_utf8(member).ok()?;
-            let (id, class, weight) = Member::read(member)?;
-            let id = id.to_owned();
             let (deadline, granted) = (int(&holder[1])?, int(&holder[2])?);
             let Value::BulkString(process) = &holder[3] else {
                 return None;
             };
-            Some(Holder {
-                id,
-                weight,
-                held_for: if granted > 0 {
-                    millis(now - granted)
-                } else {
-                    Duration::ZERO
-                },
-                lease_remaining: millis(deadline - now),
-                process: String::from_utf8_lossy(process).into_owned(),
-                class,
-            })
+            let held_for = if granted > 0 {
+                millis(now - granted)
+            } else {
+                Duration::ZERO
+            };
+            let process = String::from_utf8_lossy(process).into_owned();
+            Holder::of(member, held_for, millis(deadline - now), process)
         })
         .collect::<Option<Vec<_>>>()?;
     holders.sort_by_key(|holder| std::cmp::Reverse(holder.held_for));

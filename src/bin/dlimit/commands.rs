@@ -213,13 +213,13 @@ fn limit_text(snap: &Snapshot) -> String {
 
 fn print_holders<'a>(holders: impl Iterator<Item = &'a Holder>) {
     println!(
-        "{:<34} {:<24} {:>6} {:>10} {:>10}",
-        "HOLDER", "PROCESS", "WEIGHT", "HELD FOR", "LEASE LEFT"
+        "{:<34} {:<24} {:>6} {:>10} {:>10}  {}",
+        "HOLDER", "PROCESS", "WEIGHT", "HELD FOR", "LEASE LEFT", "POOL"
     );
     for holder in holders {
         let process = holder.process.as_str();
         println!(
-            "{:<34} {:<24} {:>6} {:>10} {:>10}",
+            "{:<34} {:<24} {:>6} {:>10} {:>10}  {}",
             terminal(&holder.id),
             if process.is_empty() {
                 "-".into()
@@ -228,7 +228,8 @@ fn print_holders<'a>(holders: impl Iterator<Item = &'a Holder>) {
             },
             holder.weight,
             duration(holder.held_for),
-            duration(holder.lease_remaining)
+            duration(holder.lease_remaining),
+            if holder.prefetched { "prefetched" } else { "-" }
         );
     }
 }

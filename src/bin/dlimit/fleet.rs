@@ -339,6 +339,7 @@ pub fn semaphore_json(name: &str, snap: &Snapshot) -> serde_json::Value {
                 "weight": holder.weight,
                 "held_for_ms": holder.held_for.as_millis() as u64,
                 "lease_remaining_ms": holder.lease_remaining.as_millis() as u64,
+                "prefetched": holder.prefetched,
             })
         })
         .collect();

@@ -141,10 +141,11 @@ fn tables(out: &mut String, fleet: &Fleet, view: &View) {
     out.push_str(
         "<h2>Holders<small>longest-held first</small></h2><div class=\"scroll\"><table><thead>\
          <tr><th>Semaphore</th><th>Holder</th><th>Process</th><th class=\"n\">Weight</th>\
-         <th class=\"n\">Held for</th><th class=\"n\">Lease left</th></tr></thead><tbody>",
+         <th class=\"n\">Held for</th><th class=\"n\">Lease left</th><th>Pool</th></tr></thead>\
+         <tbody>",
     );
     if holders == 0 {
-        out.push_str("<tr><td class=\"empty\" colspan=\"6\">Nobody holds a permit.</td></tr>");
+        out.push_str("<tr><td class=\"empty\" colspan=\"7\">Nobody holds a permit.</td></tr>");
     }
     for (name, snap) in &view.semaphores {
         for holder in &snap.holders {
@@ -153,7 +154,7 @@ fn tables(out: &mut String, fleet: &Fleet, view: &View) {
                 out,
                 "<tr><td class=\"name\">{}</td><td class=\"mono\">{}</td>\
                  <td class=\"mono process\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>\
-                 <td class=\"n\">{}</td></tr>",
+                 <td class=\"n\">{}</td><td>{}</td></tr>",
                 html(&terminal(name)),
                 html(&terminal(&holder.id)),
                 if process.is_empty() {
@@ -164,6 +165,7 @@ fn tables(out: &mut String, fleet: &Fleet, view: &View) {
                 holder.weight,
                 duration(holder.held_for),
                 duration(holder.lease_remaining),
+                if holder.prefetched { "prefetched" } else { "-" },
             );
         }
     }
