@@ -183,20 +183,22 @@ impl Gradient {
         self.limit.round() as u32
     }
 
-    /// One release at `now_ms`: the permit was held `held_ms`, `in_flight` was held just
-    /// before it (its own weight included), and whether its request was overloaded. Closes
-    /// the window when it is long and full enough; returns the limit in force.
-    pub(crate) fn sample(
+    /// `count` releases at `now_ms` (holds that ended in a prefetch pool are told together;
+    /// else one): each permit was held `mean_ms` on average, `in_flight` was held just before
+    /// (their own weight included), and whether a request was overloaded. Closes the window
+    /// when it is long and full enough; returns the limit in force.
+    pub(crate) fn samples(
         &mut self,
         now_ms: u64,
-        held_ms: f64,
+        count: u32,
+        mean_ms: f64,
         in_flight: u32,
         overloaded: bool,
     ) -> u32 {
         let window = &mut self.window;
         let start = *window.start.get_or_insert(now_ms);
-        window.samples += 1;
-        window.total += held_ms.max(0.0);
+        window.samples += count;
+        window.total += mean_ms.max(0.0) * f64::from(count);
         window.peak = window.peak.max(in_flight);
         window.overloaded |= overloaded;
         if now_ms.saturating_sub(start) >= WINDOW.as_millis() as u64
@@ -274,7 +276,7 @@ mod tests {
         for _ in 0..windows {
             let limit = g.limit();
             for _ in 0..MIN_SAMPLES {
-                g.sample(*now, held_ms(limit), limit, false);
+                g.samples(*now, 1, held_ms(limit), limit, false);
             }
             *now += WINDOW.as_millis() as u64;
         }
@@ -345,10 +347,10 @@ mod tests {
         let mut g = Gradient::new(AdaptiveLimit::new().initial(100).min(2).max(500));
         let mut now = 0;
         for _ in 0..MIN_SAMPLES {
-            g.sample(now, 10.0, 100, false);
+            g.samples(now, 1, 10.0, 100, false);
         }
         now += WINDOW.as_millis() as u64;
-        g.sample(now, 10.0, 100, true);
+        g.samples(now, 1, 10.0, 100, true);
         // Half-way (smoothing) to 90 % of 100.
         assert_eq!(g.limit(), 95);
     }
@@ -361,7 +363,7 @@ mod tests {
         assert_eq!(run(&mut g, &mut now, 50, |_| 10.0), 12, "capped by max");
         assert_eq!(run(&mut g, &mut now, 50, |_| 1e12), 5, "floored by min");
         for _ in 0..50 {
-            g.sample(now, f64::NAN.max(0.0), 12, true);
+            g.samples(now, 1, f64::NAN.max(0.0), 12, true);
             now += 1000;
         }
         assert_eq!(g.limit(), 5);
@@ -373,7 +375,7 @@ mod tests {
         let mut now = 0;
         for _ in 0..50 {
             for _ in 0..MIN_SAMPLES {
-                g.sample(now, 10.0, 5, false);
+                g.samples(now, 1, 10.0, 5, false);
             }
             now += WINDOW.as_millis() as u64;
         }
@@ -384,11 +386,11 @@ mod tests {
     fn a_window_closes_only_when_long_and_full_enough() {
         let mut g = Gradient::new(AdaptiveLimit::new().initial(50).min(2).max(500));
         for i in 0..1000 {
-            g.sample(i / 100, 1000.0, 50, true);
+            g.samples(i / 100, 1, 1000.0, 50, true);
         }
         assert_eq!(g.limit(), 50, "every sample within the first 10 ms");
         for _ in 0..MIN_SAMPLES - 1 {
-            g.sample(5000, 10.0, 50, false);
+            g.samples(5000, 1, 10.0, 50, false);
         }
         assert!(
             g.limit() < 50,

@@ -74,6 +74,8 @@ pub(crate) struct Claim {
     armed: bool,
     /// When it became a live permit, for `dlimit_permit_hold_seconds`.
     granted: Option<Instant>,
+    /// It sits idle in the prefetch pool: its release ends no hold (no adaptive sample).
+    in_pool: bool,
     /// Its grant also spent a rate limit's allowance, in the same backend call, or the layer
     /// checked the rate once it was held: what the rate limit decided.
     rate: Option<RateDecision>,
@@ -96,6 +98,7 @@ impl Claim {
             member: Member::asking(ask, lease, pooled),
             armed: true,
             granted: None,
+            in_pool: false,
             rate: None,
             overloaded: AtomicBool::new(false),
         }
@@ -145,6 +148,7 @@ impl Claim {
 
     /// Held from now on, for the hold time it reports (a prefetched slot handed out).
     fn handed_out(&mut self) {
+        self.in_pool = false;
         if self.granted.is_some() {
             self.granted = Some(Instant::now());
         }
@@ -161,6 +165,7 @@ impl Claim {
             member: self.member.clone(),
             armed: true,
             granted: self.granted,
+            in_pool: self.in_pool,
             rate: None,
             overloaded: AtomicBool::new(false),
         })
@@ -181,10 +186,10 @@ impl Claim {
         Ok(())
     }
 
-    /// How the hold ends now: an adaptive limit's sample.
+    /// How the hold ends now: an adaptive limit's sample (none for a slot idle in the pool).
     fn ending(&self) -> Ending {
         Ending {
-            held: self.granted.map(|granted| granted.elapsed()),
+            held: (self.granted.filter(|_| !self.in_pool)).map(|granted| granted.elapsed()),
             overloaded: self.overloaded.load(Ordering::Relaxed),
         }
     }
@@ -349,6 +354,11 @@ impl Permit {
         self.claim.member()
     }
 
+    /// Idle in the prefetch pool until handed out: released from there, it ends no hold.
+    pub(crate) fn idle(&mut self) {
+        self.claim.in_pool = true;
+    }
+
     /// Released to the backend when dropped, whatever its pool wants.
     pub(crate) fn unhome(&mut self) {
         self.home = None;
@@ -365,13 +375,18 @@ impl Drop for Permit {
         if self.is_lost() || !pool.wants_back() {
             return;
         }
+        // The hold ends here, not in the backend: the pool passes it on as a sample.
+        let ending = self.claim.ending();
         if let Some(claim) = self.claim.take_over() {
-            pool.put(Permit {
-                claim,
-                token: self.token,
-                lease: self.lease.clone(),
-                home: self.home.clone(),
-            });
+            pool.returned(
+                Permit {
+                    claim,
+                    token: self.token,
+                    lease: self.lease.clone(),
+                    home: self.home.clone(),
+                },
+                ending,
+            );
         }
     }
 }

@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::task::JoinSet;
-use tower_distributed_limit::{Backend, Error, MemoryBackend, RedisBackend, Semaphore};
+use tower_distributed_limit::{
+    AdaptiveLimit, Backend, Error, MemoryBackend, RedisBackend, Semaphore,
+};
 
 use support::{child_role, child_says, eventually, signal, spawn_child};
 
@@ -216,17 +218,64 @@ async fn a_waiter_elsewhere_gets_the_unused_slots_in_process() {
 }
 
 #[test]
-fn prefetch_above_the_limit_or_with_an_adaptive_limit_is_refused() {
+fn prefetch_above_the_limit_or_an_adaptive_minimum_is_refused() {
     let over = Semaphore::builder("p")
         .limit(4)
         .prefetch(5)
         .build(MemoryBackend::new());
     assert!(matches!(over, Err(Error::Config(m)) if m.contains("prefetch 5")));
-    let adaptive = Semaphore::builder("p")
-        .adaptive(tower_distributed_limit::AdaptiveLimit::new())
+    let adaptive = |prefetch| {
+        Semaphore::builder("p")
+            .adaptive(AdaptiveLimit::new().initial(20).min(4).max(40))
+            .prefetch(prefetch)
+            .build(MemoryBackend::new())
+    };
+    assert!(matches!(adaptive(5), Err(Error::Config(m)) if m.contains("minimum 4")));
+    assert!(adaptive(4).is_ok());
+}
+
+/// An adaptive semaphore that prefetches learns from the holds handed out of its pool, which
+/// never reach the backend as releases: every one marked overloaded, the limit falls.
+async fn pooled_holds_teach_the_limit(backend: impl Backend) {
+    let sem = Semaphore::builder("learns")
+        .adaptive(AdaptiveLimit::new().initial(20).min(2).max(40))
         .prefetch(2)
-        .build(MemoryBackend::new());
-    assert!(matches!(adaptive, Err(Error::Config(m)) if m.contains("adaptive")));
+        .lease(Duration::from_secs(2))
+        .build(backend)
+        .unwrap();
+    drop(sem.acquire().await.unwrap());
+    eventually(Duration::from_secs(5), "the pool filled", || async {
+        sem.snapshot().await.unwrap().used == 2
+    })
+    .await;
+    let mut ids = std::collections::HashSet::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sem.snapshot().await.unwrap().limit >= 20 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the limit never learnt from the pool's holds"
+        );
+        for _ in 0..20 {
+            let permit = sem.acquire().await.unwrap();
+            ids.insert(permit.id().to_owned());
+            permit.overloaded();
+        }
+        // Time is the subject: the limit moves once per window of 100 ms.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // They came out of the pool: never more slots than the first grant and one refill.
+    assert!(ids.len() <= 3, "{} slots for the hand-outs", ids.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_holds_teach_an_adaptive_limit_on_redis() {
+    let redis = support::Redis::start().await;
+    pooled_holds_teach_the_limit(redis.backend().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_holds_teach_an_adaptive_limit_in_process() {
+    pooled_holds_teach_the_limit(MemoryBackend::new()).await;
 }
 
 /// A prefetching process killed with its pool full, or frozen: its slots come back when

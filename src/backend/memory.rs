@@ -13,7 +13,7 @@ use super::gcra::{
     Cells, Gcra, OpenedRate, RateBackend, RateDecision, RateStore, Rated, sealed::OpenRate,
 };
 use super::store::{
-    Attempt, Ending, Member, Mode, Opened, Store, default_process_name, sealed::Open,
+    Attempt, Ending, Member, Mode, Opened, Samples, Store, default_process_name, sealed::Open,
 };
 use crate::adaptive::Gradient;
 use crate::class::{Classes, Room};
@@ -486,6 +486,20 @@ impl MemorySemaphore {
         }
         result
     }
+
+    /// Teaches an adaptive limit that is not pinned `samples`, ending at `now`.
+    fn learn(&self, permits: &mut Permits, now: Instant, samples: Samples) {
+        if let Some(gradient) = permits.gradient.as_mut().filter(|_| !permits.pinned) {
+            let now_ms = now.saturating_duration_since(self.shared.epoch).as_millis() as u64;
+            permits.limit = gradient.samples(
+                now_ms,
+                samples.count,
+                samples.mean.as_secs_f64() * 1e3,
+                permits.used,
+                samples.overloaded,
+            );
+        }
+    }
 }
 
 impl Store for MemorySemaphore {
@@ -545,26 +559,34 @@ impl Store for MemorySemaphore {
         Box::pin(async { Ok(()) })
     }
 
-    // In process there is no hand-off: the store's own grant time is the sample's start.
+    // In process there is no hand-off: the store's own grant time is the sample's start,
+    // except for a pooled slot, handed out after its grant (its process's measure, if any: a
+    // slot released idle from its pool ends no hold).
     fn release_later(&self, member: Member, ending: Ending) {
-        let epoch = self.shared.epoch;
         self.with(|permits, now, _| {
             if let Some(holding) = permits.holders.remove(&member.text) {
-                if let Some(gradient) = permits.gradient.as_mut().filter(|_| !permits.pinned) {
-                    let held = now.saturating_duration_since(holding.granted);
-                    let now_ms = now.saturating_duration_since(epoch).as_millis() as u64;
-                    permits.limit = gradient.sample(
-                        now_ms,
-                        held.as_secs_f64() * 1e3,
-                        permits.used,
-                        ending.overloaded,
-                    );
+                let held = if member.pooled {
+                    ending.held
+                } else {
+                    Some(now.saturating_duration_since(holding.granted))
+                };
+                if let Some(held) = held {
+                    let samples = Samples {
+                        count: 1,
+                        mean: held,
+                        overloaded: ending.overloaded,
+                    };
+                    self.learn(permits, now, samples);
                 }
                 permits.unhold(&holding);
             } else {
                 permits.unqueue(&member.text);
             }
         });
+    }
+
+    fn sampled(&self, samples: Samples) {
+        self.with(|permits, now, _| self.learn(permits, now, samples));
     }
 
     fn renew<'a>(

@@ -15,7 +15,7 @@ mod store;
 pub use self::memory::MemoryBackend;
 pub use self::quorum::{QuorumBackend, QuorumBackendBuilder};
 pub use self::redis::{RedisBackend, RedisBackendBuilder};
-pub(crate) use self::store::{Attempt, Ending, Member, Mode, Opened, Store, sealed};
+pub(crate) use self::store::{Attempt, Ending, Member, Mode, Opened, Samples, Store, sealed};
 // The rate limiter's side: see gcra.rs.
 pub(crate) use self::gcra::{EXACT, Gcra, RateKey, RateStore, Rated};
 pub use self::gcra::{RateBackend, RateDecision};

@@ -62,6 +62,8 @@ pub(crate) struct Member {
     pub(crate) lease: Duration,
     pub(crate) priority: Priority,
     pub(crate) tenant: Option<u64>,
+    /// Its slot may go to this process's prefetch pool (`:p` in the text).
+    pub(crate) pooled: bool,
 }
 
 /// The random id's length: 128 bits in hex.
@@ -141,6 +143,7 @@ impl Member {
             lease,
             priority,
             tenant: ask.tenant_id(),
+            pooled,
         }
     }
 
@@ -202,6 +205,15 @@ impl Hash for Member {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct Ending {
     pub(crate) held: Option<Duration>,
+    pub(crate) overloaded: bool,
+}
+
+/// Holds that ended in this process without a release: their slots went back to its
+/// prefetch pool, still held. An adaptive limit's samples: `count` holds of `mean` each.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Samples {
+    pub(crate) count: u32,
+    pub(crate) mean: Duration,
     pub(crate) overloaded: bool,
 }
 
@@ -279,6 +291,12 @@ pub(crate) trait Store: Refresh + Send + Sync + 'static {
     /// next call to the backend (a flush task makes sure there is one soon).
     fn release_later(&self, member: Member, ending: Ending);
 
+    /// Teaches an adaptive limit `samples` (nothing for a fixed limit): at once in-process, or
+    /// with this semaphore's next call to the backend, as releases go.
+    fn sampled(&self, samples: Samples) {
+        let _ = samples;
+    }
+
     /// Extends the leases of `members` that still hold to a full lease; for each, the time left
     /// (from the backend's clock read at or after the call was sent), or `None` for those that
     /// no longer hold (they are never added back).
@@ -338,14 +356,14 @@ mod tests {
         assert_eq!(member.id(), id);
         assert_eq!(id[..TAG_LEN], format!("{:08x}", process_tag()));
         assert_ne!(Member::new(3, Duration::from_millis(1500)), member);
-        let read = |text, class, weight, pooled| {
+        fn read(text: &str, class: Priority, weight: u32, pooled: bool) -> Option<Read<'_>> {
             Some(Read {
                 id: &text[..ID_LEN],
                 class,
                 weight,
                 pooled,
             })
-        };
+        }
         let batch = crate::Ask::new().weight(2).priority(Priority::BATCH);
         let member = Member::asking(&batch, Duration::from_millis(900), false);
         assert_eq!(&member.text[ID_LEN..], ":c2:2:900");

@@ -233,9 +233,11 @@ impl SemaphoreBuilder {
     /// token issued before, but a permit handed out later may carry a lower token, and one
     /// slot handed out twice carries the same token twice. Where a resource fences writes by
     /// token, do not prefetch. Its lease is the slot's (renewed while it waited); its hold time
-    /// counts from the hand-out. Not with an [`adaptive`](Self::adaptive) limit (refused
-    /// at build). A [`QuorumBackend`](crate::QuorumBackend) does not tell of waiters: nothing
-    /// is prefetched there.
+    /// counts from the hand-out. With an [`adaptive`](Self::adaptive) limit, `n` may be at
+    /// most its minimum; each hand-out's hold time (and [`overloaded`](crate::Permit::overloaded))
+    /// is a sample as a release's is, sent with the next 50 ms check, and a slot given back
+    /// idle is none. A [`QuorumBackend`](crate::QuorumBackend) does not tell of waiters:
+    /// nothing is prefetched there.
     ///
     /// # Example
     ///
@@ -313,11 +315,13 @@ impl SemaphoreBuilder {
                 )));
             }
         }
-        if self.prefetch > 0 && self.adaptive.is_some() {
+        if let Some(adaptive) = self.adaptive
+            && self.prefetch > adaptive.min
+        {
             return Err(Error::config(format!(
-                "semaphore {:?}: prefetch with an adaptive limit is not supported: a prefetched \
-                 slot given back unused has no latency to teach the limit; drop one of the two",
-                self.name
+                "semaphore {:?}: prefetch {} is above its adaptive limit's minimum {}; prefetch \
+                 at most the minimum, so a pool never holds more than the limit may fall to",
+                self.name, self.prefetch, adaptive.min
             )));
         }
         if self.prefetch > limit {

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::Semaphore;
-use crate::backend::Store;
+use crate::backend::{Ending, Samples, Store};
 use crate::permit::Permit;
 use crate::sync::lock;
 use crate::{Ask, Error};
@@ -34,6 +34,17 @@ pub(crate) struct Pool {
     refilling: AtomicBool,
     /// The task that gives the slots back when someone starts waiting was spawned.
     watching: AtomicBool,
+    /// The holds that ended here since the last check, for an adaptive limit.
+    ended: Mutex<Tally>,
+}
+
+/// Holds that ended in the pool (their slots stayed held): an adaptive limit's samples, sent
+/// with the next check.
+#[derive(Default)]
+struct Tally {
+    count: u32,
+    total: Duration,
+    overloaded: bool,
 }
 
 impl Pool {
@@ -50,6 +61,7 @@ impl Pool {
             store,
             refilling: AtomicBool::new(false),
             watching: AtomicBool::new(false),
+            ended: Mutex::default(),
         })
     }
 
@@ -81,9 +93,32 @@ impl Pool {
         !self.crowded()
     }
 
-    /// Keeps `permit` for the next acquire; released instead, without a home, when the pool
-    /// is full.
+    /// `permit`, handed out, is done with: its hold, which ended as `ending` says, is a
+    /// sample for the next check; the permit goes back as [`put`](Self::put) says.
+    pub(crate) fn returned(&self, permit: Permit, ending: Ending) {
+        if let Some(held) = ending.held {
+            let mut ended = lock(&self.ended);
+            ended.count = ended.count.saturating_add(1);
+            ended.total = ended.total.saturating_add(held);
+            ended.overloaded |= ending.overloaded;
+        }
+        self.put(permit);
+    }
+
+    /// The holds that ended here since the last call, as samples for the backend.
+    fn samples(&self) -> Option<Samples> {
+        let ended = std::mem::take(&mut *lock(&self.ended));
+        (ended.count > 0).then(|| Samples {
+            count: ended.count,
+            mean: ended.total / ended.count,
+            overloaded: ended.overloaded,
+        })
+    }
+
+    /// Keeps `permit`, idle, for the next acquire; released instead, without a home, when the
+    /// pool is full.
     pub(crate) fn put(&self, mut permit: Permit) {
+        permit.idle();
         let mut slots = lock(&self.slots);
         if slots.len() < self.size {
             slots.push(permit);
@@ -148,11 +183,12 @@ impl Semaphore {
         (!rated && *ask == Ask::new()).then_some(pool)
     }
 
-    /// Once the pool is half empty, takes free slots until it is full, in one backend call
-    /// (the acquires go together) on a task of its own, while nobody waits; gives them back if
-    /// a reply said someone waits meanwhile.
+    /// Once the pool is less than half full, takes free slots until it is full, in one
+    /// backend call (the acquires go together) on a task of its own, while nobody waits; gives
+    /// them back if a reply said someone waits meanwhile. (At half full a pool of two would
+    /// refill at each hand-out, and give a slot back at each return.)
     fn refill(&self, pool: &Arc<Pool>) {
-        if pool.crowded() || pool.unused() * 2 > pool.size {
+        if pool.crowded() || pool.unused() * 2 >= pool.size {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -187,7 +223,8 @@ impl Semaphore {
 
 /// While the pool lives: gives it back each time a reply says someone started waiting, and
 /// every [`CHECK`] renews one of the slots it holds (the keeper renews them all on its own
-/// schedule), whose reply says whether anyone waits.
+/// schedule), whose reply says whether anyone waits, and passes on the holds that ended in
+/// the pool since the last check (an adaptive limit's samples).
 async fn watch_for_waiters(pool: Weak<Pool>, mut crowding: watch::Receiver<bool>) {
     let mut check = tokio::time::interval(CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -204,6 +241,10 @@ async fn watch_for_waiters(pool: Weak<Pool>, mut crowding: watch::Receiver<bool>
             }
             _ = check.tick() => {
                 let Some(pool) = pool.upgrade() else { return };
+                // Sent with the renewal below (or a call of its own, on an idle pool).
+                if let Some(samples) = pool.samples() {
+                    pool.store.sampled(samples);
+                }
                 let members: Vec<_> = lock(&pool.slots)
                     .first()
                     .map(|permit| permit.member().clone())

@@ -19,7 +19,7 @@ use std::fmt::Write;
 
 use crate::RateDecision;
 use crate::backend::store::{
-    Attempt, Ending, Member, Mode, Opened, Store, process_tag, sealed::Open,
+    Attempt, Ending, Member, Mode, Opened, Samples, Store, process_tag, sealed::Open,
 };
 use crate::class::Classes;
 use crate::snapshot::{Holder, Snapshot};
@@ -351,7 +351,9 @@ impl RedisSemaphore {
         } else if !outbox.sending {
             let members = std::mem::take(&mut outbox.releases);
             if echo {
-                outbox.unanswered.extend(members.iter().cloned());
+                // Samples are not releases: counted twice, they would weigh double.
+                let releases = members.iter().filter(|member| !member.ends_with(':'));
+                outbox.unanswered.extend(releases.cloned());
             }
             (members, Vec::new())
         } else {
@@ -845,6 +847,25 @@ impl Store for RedisSemaphore {
         }
         outbox.releases.push(self.released(&member.text, ending));
         // An acquire call in flight passes the releases on when it is answered.
+        if !outbox.sending {
+            drop(outbox);
+            self.schedule_flush();
+        }
+    }
+
+    // As a release with no member: `[!]@<µs mean>*<count>:` (lua/semaphore/holders.lua).
+    fn sampled(&self, samples: Samples) {
+        if !self.adaptive {
+            return;
+        }
+        let mut text = String::with_capacity(24);
+        if samples.overloaded {
+            text.push('!');
+        }
+        // Writing to a String cannot fail.
+        let _ = write!(text, "@{}*{}:", samples.mean.as_micros(), samples.count);
+        let mut outbox = self.outbox();
+        outbox.releases.push(text.into());
         if !outbox.sending {
             drop(outbox);
             self.schedule_flush();

@@ -213,8 +213,8 @@ fn limit_text(snap: &Snapshot) -> String {
 
 fn print_holders<'a>(holders: impl Iterator<Item = &'a Holder>) {
     println!(
-        "{:<34} {:<24} {:>6} {:>10} {:>10}  {}",
-        "HOLDER", "PROCESS", "WEIGHT", "HELD FOR", "LEASE LEFT", "POOL"
+        "{:<34} {:<24} {:>6} {:>10} {:>10}  POOL",
+        "HOLDER", "PROCESS", "WEIGHT", "HELD FOR", "LEASE LEFT"
     );
     for holder in holders {
         let process = holder.process.as_str();

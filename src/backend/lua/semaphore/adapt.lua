@@ -12,8 +12,9 @@ local PROBE_EVERY, PROBE_SHARE, PROBE_WINDOWS, PROBE_RAISE = 10000, 0.5, 3, 1.25
 -- The state, read from meta at the first sample of the call and written back with meta.
 local gradient = nil
 
--- One release: held `held_ms`, with `in_flight` held just before it, overloaded or not.
-local function sample(held_ms, in_flight, overloaded)
+-- `n` releases (n holds that ended in a prefetch pool; else 1): held `held_ms` each (a mean),
+-- with `in_flight` held just before, overloaded or not.
+local function sample(held_ms, in_flight, overloaded, n)
   if not adaptive or pinned then
     return
   end
@@ -30,8 +31,8 @@ local function sample(held_ms, in_flight, overloaded)
     gradient = g
   end
   g.start = g.start or now
-  g.n = g.n + 1
-  g.sum = g.sum + math.max(held_ms, 0)
+  g.n = g.n + n
+  g.sum = g.sum + math.max(held_ms, 0) * n
   g.peak = math.max(g.peak, in_flight)
   g.over = g.over or overloaded
   if now - g.start < WINDOW_MS or g.n < MIN_SAMPLES then

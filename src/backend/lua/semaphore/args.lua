@@ -38,8 +38,9 @@
 -- KEYS[#KEYS] (with a promotion fence) promoted: hash, `id` = the replication id under which
 --                  this server was first seen promoted from a replica, `at` = when (ms); one
 --                  key for every semaphore of the server (used through Sentinel only)
--- A member is "<holder id>[:c<level>][:t<tenant>]:<weight>:<lease ms>" (level 4, NORMAL, without;
--- the tenant in 16 hex digits), the id's first 8 hex digits naming its
+-- A member is "<holder id>[:c<level>][:t<tenant>][:p]:<weight>:<lease ms>" (level 4, NORMAL,
+-- without; the tenant in 16 hex digits; `:p` for a slot a process may keep in its prefetch
+-- pool), the id's first 8 hex digits naming its
 -- process. All keys share one hash tag (one Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
 -- when nothing is held past that horizon); queue and alive expire with the latest waiter
 -- deadline.
@@ -51,7 +52,8 @@
 -- a space and the process's name now and then, to be kept in procs), k, then k members to
 -- release
 -- (holders or waiters; absent ones are ignored; for an adaptive limit, `!` before one marks
--- its hold overloaded, then `@<µs>:` says how long its process held it), then the operation's
+-- its hold overloaded, then `@<µs>:` says how long its process held it; `@<µs>*<n>:` alone
+-- is n such holds that ended without a release, in a prefetch pool), then the operation's
 -- arguments:
 --   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
 --       -> per member, in order: {1, token, left µs, now µs, limit, anyone waits (0|1)[, rate
@@ -121,18 +123,25 @@ local function parse(member)
   return tonumber(weight) or 0, tonumber(lease) or 0
 end
 
--- A member to release, whether its hold was marked overloaded (`!` before it), and how long
--- its process held it (ms, from `@<µs>:` before it; nil when not told).
+-- A member to release, whether its hold was marked overloaded (`!` before it), how long its
+-- process held it (ms, from `@<µs>:` before it; nil when not told), and how many holds that
+-- was: `@<µs>*<n>:` with no member after it is n holds of that mean that ended in their
+-- process without a release (their slots stayed in its prefetch pool).
 local function released_member(text)
   local overloaded = string.byte(text, 1) == 33
   if overloaded then
     text = string.sub(text, 2)
   end
-  local held, member = string.match(text, '^@(%d+):(.*)$')
+  local held, n, member = string.match(text, '^@(%d+)%*?(%d*):(.*)$')
   if held then
-    return member, overloaded, tonumber(held) / 1000
+    return member, overloaded, tonumber(held) / 1000, tonumber(n) or 1
   end
-  return text, overloaded, nil
+  return text, overloaded, nil, 1
+end
+
+-- Whether a member's slot may sit idle in its process's prefetch pool (`:p`, after the id).
+local function pooled(member)
+  return string.find(member, ':p:', 33, true) ~= nil
 end
 
 local function left(deadline)

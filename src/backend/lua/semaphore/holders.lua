@@ -46,17 +46,23 @@ end
 
 local removed = 0
 for i = 10, args - 1 do
-  local member, overloaded, held = released_member(ARGV[i])
-  if redis.call('ZREM', holders, member) == 1 then
+  local member, overloaded, held, n = released_member(ARGV[i])
+  if member == '' then
+    -- Holds that ended in a prefetch pool: samples, nothing to release.
+    if held then
+      sample(held, used, overloaded, n)
+    end
+  elseif redis.call('ZREM', holders, member) == 1 then
     if adaptive and not pinned then
       -- The process's own measure, else the time since the grant here (a process built with
-      -- a fixed limit does not send one).
-      if not held then
+      -- a fixed limit does not send one). A pooled slot released unsent was idle in its
+      -- pool: the time since its grant here is no hold.
+      if not held and not pooled(member) then
         local granted = tonumber(redis.call('HGET', since, member))
         held = granted and now - granted
       end
       if held then
-        sample(held, used, overloaded)
+        sample(held, used, overloaded, 1)
       end
     end
     redis.call('HDEL', since, member)
