@@ -117,7 +117,10 @@ impl Semaphore {
         let prefetch = (settings.prefetch > 0)
             .then(|| origin.store.crowding())
             .flatten()
-            .map(|crowding| prefetch::Pool::new(settings.prefetch, origin.store.clone(), crowding));
+            .map(|crowding| {
+                let adaptive = settings.adaptive.is_some();
+                prefetch::Pool::new(settings.prefetch, origin.store.clone(), crowding, adaptive)
+            });
         Semaphore {
             inner: Arc::new(Core {
                 settings,

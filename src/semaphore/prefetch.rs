@@ -34,6 +34,8 @@ pub(crate) struct Pool {
     refilling: AtomicBool,
     /// The task that gives the slots back when someone starts waiting was spawned.
     watching: AtomicBool,
+    /// The limit adapts: the holds that end here are its samples.
+    adaptive: bool,
     /// The holds that ended here since the last check, for an adaptive limit.
     ended: Mutex<Tally>,
 }
@@ -48,11 +50,13 @@ struct Tally {
 }
 
 impl Pool {
-    /// Prefetching `size` slots of `store`, told of waiters by `crowding`.
+    /// Prefetching `size` slots of `store`, told of waiters by `crowding`; `adaptive`: the
+    /// holds that end in the pool are samples for the limit.
     pub(super) fn new(
         size: u32,
         store: Arc<dyn Store>,
         crowding: watch::Receiver<bool>,
+        adaptive: bool,
     ) -> Arc<Self> {
         Arc::new(Pool {
             size: usize::try_from(size).unwrap_or(usize::MAX),
@@ -61,6 +65,7 @@ impl Pool {
             store,
             refilling: AtomicBool::new(false),
             watching: AtomicBool::new(false),
+            adaptive,
             ended: Mutex::default(),
         })
     }
@@ -96,7 +101,7 @@ impl Pool {
     /// `permit`, handed out, is done with: its hold, which ended as `ending` says, is a
     /// sample for the next check; the permit goes back as [`put`](Self::put) says.
     pub(crate) fn returned(&self, permit: Permit, ending: Ending) {
-        if let Some(held) = ending.held {
+        if let Some(held) = ending.held.filter(|_| self.adaptive) {
             let mut ended = lock(&self.ended);
             ended.count = ended.count.saturating_add(1);
             ended.total = ended.total.saturating_add(held);
