@@ -375,8 +375,9 @@ impl Drop for Permit {
         if self.is_lost() || !pool.wants_back() {
             return;
         }
-        // The hold ends here, not in the backend: the pool passes it on as a sample.
-        let ending = self.claim.ending();
+        // The hold ends here, not in the backend: the pool passes it on as a sample, where a
+        // limit learns from it.
+        let ending = pool.learns().then(|| self.claim.ending());
         if let Some(claim) = self.claim.take_over() {
             pool.returned(
                 Permit {

@@ -98,14 +98,25 @@ impl Pool {
         !self.crowded()
     }
 
-    /// `permit`, handed out, is done with: its hold, which ended as `ending` says, is a
-    /// sample for the next check; the permit goes back as [`put`](Self::put) says.
-    pub(crate) fn returned(&self, permit: Permit, ending: Ending) {
-        if let Some(held) = ending.held.filter(|_| self.adaptive) {
+    /// Whether the holds that end in the pool are samples ([`returned`](Self::returned)
+    /// wants their endings).
+    pub(crate) fn learns(&self) -> bool {
+        self.adaptive
+    }
+
+    /// `permit`, handed out, is done with: its hold, which ended as `ending` says (given when
+    /// the pool [`learns`](Self::learns)), is a sample for the next check; the permit goes
+    /// back as [`put`](Self::put) says.
+    pub(crate) fn returned(&self, permit: Permit, ending: Option<Ending>) {
+        if let Some(Ending {
+            held: Some(held),
+            overloaded,
+        }) = ending
+        {
             let mut ended = lock(&self.ended);
             ended.count = ended.count.saturating_add(1);
             ended.total = ended.total.saturating_add(held);
-            ended.overloaded |= ending.overloaded;
+            ended.overloaded |= overloaded;
         }
         self.put(permit);
     }
