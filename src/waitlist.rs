@@ -5,7 +5,8 @@
 //! waiter registers a [`Ticket`] before its first call, so no announcement can beat it; when
 //! the backend admits it, the backend hands the grant to [`Waitlist::grant`] and the waiting
 //! task wakes: no extra round trip, no polling. The oldest local waiter has one more duty:
-//! every [`KEEPALIVE`], or when a lease is due to end, it refreshes all local waiters in one
+//! every [`KEEPALIVE`], or when a lease is due to end (the earliest end any call of this process
+//! was told of: [`Waitlist::check_by`]), it refreshes all local waiters in one
 //! [`Refresh::touch`] and collects grants whose announcement was lost. A backend that announces
 //! over a subscription (Redis pub/sub) is asked to subscribe while the list has queued waiters,
 //! and to stop once it has been idle a while.
@@ -155,6 +156,7 @@ impl Hub {
                     Subscription::On
                 },
                 touch_now: false,
+                touch_at: None,
                 idle_since: Instant::now(),
             }),
         });
@@ -204,6 +206,9 @@ struct Line {
     subscription: Subscription,
     /// The oldest queued waiter should refresh the line at once (announcements may be lost).
     touch_now: bool,
+    /// When the oldest queued waiter refreshes the line next: the earliest lease end any call
+    /// was told of since the last refresh, at most a [`KEEPALIVE`] after it.
+    touch_at: Option<Instant>,
     idle_since: Instant,
 }
 
@@ -306,6 +311,18 @@ impl Waitlist {
         self.state().tell(member, Event::Granted { token, until });
     }
 
+    /// A call learned that a lease ends (and someone may be admitted) at `at`: the oldest
+    /// waiter refreshes the line then, unless it was to sooner. Whichever call of this process
+    /// learns it, the waiter holding the timer acts on it (a grant left unclaimed by a frozen
+    /// process ends while every live process waits for an announcement).
+    pub(crate) fn check_by(&self, at: Instant) {
+        let mut state = self.state();
+        if state.touch_at.is_none_or(|due| at < due) {
+            state.touch_at = Some(at);
+            state.notify_duty();
+        }
+    }
+
     /// Asks the oldest waiter to refresh the line now.
     pub(crate) fn touch_soon(&self) {
         let mut state = self.state();
@@ -392,12 +409,13 @@ impl Ticket {
         &self,
         line: &dyn Refresh,
         clock: ClockReading,
-        mut refresh: Duration,
+        refresh: Duration,
         deadline: Instant,
     ) -> Result<Wake, Error> {
+        self.list.check_by(clock.local + refresh.min(KEEPALIVE));
         self.queued();
         loop {
-            let event = tokio::time::timeout_at(deadline, self.next(refresh.min(KEEPALIVE)));
+            let event = tokio::time::timeout_at(deadline, self.next());
             let Ok(event) = event.await else {
                 return Ok(Wake::TimedOut);
             };
@@ -422,7 +440,7 @@ impl Ticket {
                     };
                     let (statuses, retry_in) = touched?;
                     self.list.apply(&members, &statuses, sent);
-                    refresh = retry_in;
+                    self.list.check_by(sent + retry_in.min(KEEPALIVE));
                 }
             }
         }
@@ -456,11 +474,10 @@ impl Ticket {
     }
 
     /// Waits for this waiter's next event. While it is the oldest queued waiter it also gets
-    /// [`Event::Touch`] after `refresh`, or at once when the line needs checking.
-    async fn next(&self, refresh: Duration) -> Event {
-        let timer = Instant::now() + refresh;
+    /// [`Event::Touch`] when the line's refresh is due, or at once when it needs checking.
+    async fn next(&self) -> Event {
         loop {
-            let duty = {
+            let timer = {
                 let mut state = self.list.state();
                 let Some(entry) = state.entries.get_mut(&self.seq) else {
                     // Not registered cannot happen while the ticket lives; asking again is safe.
@@ -469,20 +486,27 @@ impl Ticket {
                 if let Some(event) = entry.event.take() {
                     return event;
                 }
-                let duty = state.duty() == Some(self.seq);
-                if duty && state.touch_now {
+                if state.duty() != Some(self.seq) {
+                    None
+                } else if state.touch_now || state.touch_at.is_some_and(|at| at <= Instant::now()) {
+                    // The refresh's answer sets the next time.
                     state.touch_now = false;
+                    state.touch_at = None;
                     return Event::Touch;
+                } else {
+                    Some(
+                        *state
+                            .touch_at
+                            .get_or_insert_with(|| Instant::now() + KEEPALIVE),
+                    )
                 }
-                duty
             };
-            if duty {
-                tokio::select! {
+            match timer {
+                Some(timer) => tokio::select! {
                     _ = self.signal.notified() => {}
-                    _ = tokio::time::sleep_until(timer) => return Event::Touch,
-                }
-            } else {
-                self.signal.notified().await;
+                    _ = tokio::time::sleep_until(timer) => {}
+                },
+                None => self.signal.notified().await,
             }
         }
     }
@@ -501,7 +525,9 @@ impl Drop for Ticket {
             state.notify_duty();
         }
         if state.duty().is_none() {
+            // Nobody waits: the next waiter's own call says when to refresh.
             state.idle_since = Instant::now();
+            state.touch_at = None;
         }
     }
 }
@@ -620,6 +646,28 @@ mod tests {
         tokio::time::sleep(KEEPALIVE).await;
         assert_eq!(backend.touches().last(), Some(&vec![b.clone()]));
         assert_eq!(backend.touches().len(), 4);
+        second.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_end_any_call_learns_of_moves_the_refresh() {
+        let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
+        let list = hub.waitlist("sem");
+        let (a, b) = (member("a"), member("b"));
+        let first = wait(&list, &backend, &a, Instant::now() + FAR);
+        let second = wait(&list, &backend, &b, Instant::now() + FAR);
+        run_tasks().await;
+        // Another call of this process (a release) learns that a lease ends in 200 ms: the
+        // oldest waiter refreshes the line then, not a keepalive after it queued.
+        list.check_by(Instant::now() + Duration::from_millis(200));
+        // A later end changes nothing.
+        list.check_by(Instant::now() + Duration::from_millis(500));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert_eq!(backend.touches(), vec![vec![a.clone(), b.clone()]]);
+        // The refresh's answer (60 s) sets the next one, at most a keepalive later.
+        tokio::time::sleep(KEEPALIVE).await;
+        assert_eq!(backend.touches().len(), 2);
+        first.abort();
         second.abort();
     }
 

@@ -63,7 +63,7 @@ impl Open for RedisBackend {
         let store = RedisSemaphore::new(self, name, limit, adaptive, classes, claim);
         // Grants to this process's members are announced on its own channel (see the script),
         // and reach the waitlist through the hub.
-        let waitlist = (self.shared.hub).waitlist(&format!("{}:{}", store.channel, store.tag));
+        let waitlist = (self.shared.hub).waitlist(&store.waitlist_key());
         Opened { store, waitlist }
     }
 }
@@ -415,11 +415,24 @@ impl RedisSemaphore {
         text.into()
     }
 
-    /// A release's reply: `{removed, anyone waits}`.
-    fn released_reply(&self, reply: &Value) -> Result<(), Error> {
+    /// The key of this process's waitlist for the semaphore in the hub: grants to its members
+    /// are announced on its own channel (see the script).
+    fn waitlist_key(&self) -> String {
+        format!("{}:{}", self.channel, self.tag)
+    }
+
+    /// A release's reply to a call sent at `sent`: `{removed, anyone waits, ms until the
+    /// earliest lease ends (0 when nobody waits)}`. This process's waiters check the line by
+    /// then: a grant the release made to a frozen process ends there unclaimed.
+    fn released_reply(&self, reply: &Value, sent: Instant) -> Result<(), Error> {
         match integers(reply).as_deref() {
-            Some(&[_, crowded]) => {
+            Some(&[_, crowded, retry_ms]) => {
                 self.note_crowded(crowded);
+                if retry_ms > 0
+                    && let Some(list) = self.shared.hub.get(&self.waitlist_key())
+                {
+                    list.check_by(sent + millis(retry_ms));
+                }
                 Ok(())
             }
             _ => Err(unexpected(reply)),
@@ -464,8 +477,9 @@ impl RedisSemaphore {
             }
         }
         // `run` logs a failure; the leases are the fallback.
+        let sent = Instant::now();
         if let Ok(reply) = self.run("release", None, None, None, |_, _| {}).await {
-            let _ = self.released_reply(&reply);
+            let _ = self.released_reply(&reply, sent);
         }
     }
 
@@ -830,8 +844,9 @@ impl Store for RedisSemaphore {
     ) -> BoxFuture<'a, Result<(), Error>> {
         Box::pin(async move {
             let text = self.released(&member.text, ending);
+            let sent = Instant::now();
             let reply = self.run("release", None, Some(&text), None, |_, _| {});
-            self.released_reply(&reply.await?)
+            self.released_reply(&reply.await?, sent)
         })
     }
 

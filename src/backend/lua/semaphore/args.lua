@@ -65,7 +65,7 @@
 --          that would be granted at once is granted only if the rate allows its cost, spent
 --          in the same call; one that queues spends nothing
 --   release                      -> {how many of the k members held or waited, anyone waits
---                                    (0|1)}
+--                                    (0|1), retry ms (0 when nobody waits)}
 --   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
 --                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
 --   renew <member>...            -> {now µs, anyone waits (0|1), then per member: µs left of

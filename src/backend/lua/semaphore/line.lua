@@ -137,22 +137,12 @@ local function wait(member)
 end
 
 -- Time until the earliest lease ends or the promotion fence lets a grant through (at least
--- 1 ms), or the patience when neither is due. Provisional grants are looked past (a few of
--- them): they are claimed or given back within the claim window, and a release admits the
--- next waiter itself, so waiters polling for their end would only load the server.
+-- 1 ms), or the patience when neither is due. A provisional grant's end counts too: when its
+-- process is frozen or dead it ends unclaimed while every live process waits for an
+-- announcement, and only a call can give its slot on (a live process's release admits the
+-- next waiter before that anyway, so this costs a touch per claim window at most).
 local function retry_in()
-  local due = nil
-  if pending == 0 then
-    due = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
-  elseif pending < count then
-    local firsts = redis.call('ZRANGE', holders, 0, 7, 'WITHSCORES')
-    for i = 1, #firsts, 2 do
-      if redis.call('HEXISTS', meta, 'p:' .. firsts[i]) == 0 then
-        due = tonumber(firsts[i + 1])
-        break
-      end
-    end
-  end
+  local due = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
   if fenced_until and (not due or fenced_until < due) then
     due = fenced_until
   end

@@ -75,7 +75,7 @@ if op == 'acquire' then
     end
   end
 elseif op == 'release' then
-  reply = {removed, waiting > 0 and 1 or 0}
+  reply = {removed, waiting > 0 and 1 or 0, waiting > 0 and retry_in() or 0}
 elseif op == 'touch' then
   reply = {retry_in()}
   for i = args, #ARGV do
