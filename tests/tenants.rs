@@ -350,7 +350,7 @@ async fn ten_thousand_tenants_leave_bounded_state() {
         fields.iter().all(|field| !field.starts_with("u:")),
         "tenants holding nothing keep counts: {fields:?}"
     );
-    assert!(fields.len() < 20, "meta grew with the tenants: {fields:?}");
+    assert!(fields.len() < 32, "meta grew with the tenants: {fields:?}");
 }
 
 on_both_backends!(the_layer_serves_the_tenant_header_in_turn_and_capped);

@@ -15,7 +15,10 @@
 --                  counts them), `s:<process tag>`
 --                  = when a provisional grant of that process ran out unclaimed (ms): the
 --                  process is silent (frozen or dead), and its other waiters are passed over
---                  until it makes a call; `adaptive` = "<min>/<max>" when the limit adapts
+--                  until it makes a call, and `silent_at` = when the latest was marked;
+--                  `seen` = the server time of the latest call that set a deadline, and
+--                  `alive_at` = a time no waiter's liveness deadline is before (both ms);
+--                  `adaptive` = "<min>/<max>" when the limit adapts
 --                  (set with the state by the process that creates it), and its state in
 --                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over`, and
 --                  the probe's `a:pat`, `a:psave`, `a:pn`, `a:plow` (adapt.lua);
@@ -118,9 +121,42 @@ local function int(n)
   return string.format('%d', n)
 end
 
+-- What a member says of itself, read once per call (patterns cost more than the rest of
+-- most steps, and a member meets several): {weight, lease, class level (4 without `:c`),
+-- tenant (nil without `:t`), pooled (`:p`)}. A malformed member weighs 0.
+local facts = {}
+local function facts_of(member)
+  local known = facts[member]
+  if known then
+    return known
+  end
+  local at = string.find(member, ':', 1, true) or #member + 1
+  local level, tenant, pool = 4, nil, false
+  local colon, kind, digit = string.byte(member, at, at + 2)
+  if colon == 58 and kind == 99 and digit and digit >= 48 and digit <= 55
+      and string.byte(member, at + 3) == 58 then
+    level, at = digit - 48, at + 3
+    colon, kind = string.byte(member, at, at + 1)
+  end
+  if colon == 58 and kind == 116 then
+    local stop = string.find(member, ':', at + 2, true)
+    if stop then
+      tenant, at = string.sub(member, at + 2, stop - 1), stop
+      colon, kind = string.byte(member, at, at + 1)
+    end
+  end
+  if colon == 58 and kind == 112 and string.byte(member, at + 2) == 58 then
+    pool, at = true, at + 2
+  end
+  local weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
+  known = {tonumber(weight) or 0, tonumber(lease) or 0, level, tenant, pool}
+  facts[member] = known
+  return known
+end
+
 local function parse(member)
-  local weight, lease = string.match(member, ':(%d+):(%d+)$')
-  return tonumber(weight) or 0, tonumber(lease) or 0
+  local known = facts_of(member)
+  return known[1], known[2]
 end
 
 -- A member to release, whether its hold was marked overloaded (`!` before it), how long its
@@ -132,7 +168,10 @@ local function released_member(text)
   if overloaded then
     text = string.sub(text, 2)
   end
-  local held, n, member = string.match(text, '^@(%d+)%*?(%d*):(.*)$')
+  local held, n, member
+  if string.byte(text, 1) == 64 then
+    held, n, member = string.match(text, '^@(%d+)%*?(%d*):(.*)$')
+  end
   if held then
     return member, overloaded, tonumber(held) / 1000, tonumber(n) or 1
   end
@@ -141,7 +180,7 @@ end
 
 -- Whether a member's slot may sit idle in its process's prefetch pool (`:p`, after the id).
 local function pooled(member)
-  return string.find(member, ':p:', 33, true) ~= nil
+  return facts_of(member)[5]
 end
 
 local function left(deadline)
@@ -149,13 +188,22 @@ local function left(deadline)
 end
 
 local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
-  'line', 'arrived', 'pending', 's:' .. caller, 'adaptive', 'unpinned', 'classes')
+  'line', 'arrived', 'pending', 's:' .. caller, 'adaptive', 'unpinned', 'classes', 'seen',
+  'alive_at', 'silent_at')
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local line = tonumber(stored[7]) or 0
 local arrived = tonumber(stored[8]) or 0
 -- How many holders hold a provisional grant (a `p:` field each).
 local pending = tonumber(stored[9]) or 0
+-- The server time of the latest call that set a deadline (ms): each holder's deadline lies
+-- within its lease of it, so only a clock behind it can leave one further ahead (sweep.lua).
+local seen = tonumber(stored[14])
+-- No waiter's liveness deadline is before this (ms; nil when not known): waiters that stopped
+-- answering are looked for once it has passed (line.lua).
+local alive_at = tonumber(stored[15])
+-- When a process was last marked silent (ms): a patience later no mark is in force (sweep.lua).
+local silent_at = tonumber(stored[16])
 local changed = false
 -- The classes' shares in force (classes.lua), as stored with the limit.
 local stored_shares = stored[13] or nil

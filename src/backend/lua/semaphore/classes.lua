@@ -14,7 +14,7 @@
 local RANK = 281474976710656
 local EPOCH_MS = 1767225600000
 local function level_of(member)
-  return tonumber(string.match(member, '^%x+:c(%d):')) or 4
+  return facts_of(member)[3]
 end
 local function rank_of(level)
   return 7 - level
@@ -50,7 +50,7 @@ end
 local held_changed = false
 
 local function tenant_of(member)
-  return string.match(member, ':t(%x+):')
+  return facts_of(member)[4]
 end
 -- The per-tenant cap, and what each tenant read so far holds (`dirty`: changed by this call).
 local tenant_cap = shares and tonumber(string.match(shares, 'tm(%d+)'))

@@ -4,24 +4,39 @@
 -- Admit waiters, each class in arrival order while its oldest fits; forget waiters that
 -- stopped answering (and any whose liveness entry is gone).
 local granted = {}
-local waiting = redis.call('ZCARD', queue)
+-- The line's first few (by class, then arrival): whether anyone waits, and the first class's
+-- head, so most calls read the line once.
+local HEAD = 4
+local firsts = redis.call('ZRANGE', queue, 0, HEAD - 1, 'WITHSCORES')
+local waiting = #firsts > 0 and 1 or 0
 -- The classes (by rank) whose oldest waiter still waits: a newcomer of one queues behind it.
 local waits_in = {}
 if waiting > 0 then
-  for _, member in ipairs(redis.call('ZRANGEBYSCORE', alive, '-inf', int(now))) do
-    unqueue(member)
-    redis.call('ZREM', alive, member)
+  -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
+  if not alive_at or alive_at <= now then
+    local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', int(now))
+    for _, member in ipairs(gone) do
+      unqueue(member)
+      redis.call('ZREM', alive, member)
+    end
+    -- Every later deadline is a call's now + its patience: at least this one's.
+    alive_at = tonumber(redis.call('ZRANGE', alive, 0, 0, 'WITHSCORES')[2]) or now + patience
+    changed = true
+    if #gone > 0 then
+      firsts = redis.call('ZRANGE', queue, 0, HEAD - 1, 'WITHSCORES')
+    end
   end
   -- Each class in turn, highest first: its head read a few at a time, since a release usually
   -- admits one waiter and finds the next one not fitting, which one read answers. Every
   -- member read is taken out of the line or passed over before the next read, so a read
   -- always starts just after those passed.
   local silent = {}
+  local anyone_silent = still_silent(silent_at)
   local rank, head, at, passed = nil, {}, 1, 0
   local function next_in_line()
     if at > #head then
       head, at = redis.call('ZRANGEBYSCORE', queue, int(rank * RANK), '(' .. int((rank + 1) * RANK),
-        'LIMIT', passed, 4), 1
+        'LIMIT', passed, HEAD), 1
     end
     at = at + 1
     return head[at - 1]
@@ -33,7 +48,8 @@ if waiting > 0 then
     while member do
       local tag = string.sub(member, 1, 8)
       if silent[tag] == nil then
-        silent[tag] = still_silent(tonumber(redis.call('HGET', meta, 's:' .. tag)))
+        -- (No read while no process was marked within a patience.)
+        silent[tag] = anyone_silent and still_silent(tonumber(redis.call('HGET', meta, 's:' .. tag)))
       end
       if not silent[tag] then
         return member
@@ -66,11 +82,16 @@ if waiting > 0 then
     redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
       member .. ' ' .. int(token) .. ' ' .. int(deadline))
   end
-  local first = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')[2]
+  local first = firsts[2]
   rank = first and math.floor(tonumber(first) / RANK)
+  -- The first class's members among the first few are its head's first read.
+  for i = 1, #firsts, 2 do
+    if math.floor(tonumber(firsts[i + 1]) / RANK) == rank then
+      table.insert(head, firsts[i])
+    end
+  end
   waiting = 0
   while rank and rank <= 7 do
-    head, at = {}, 1
     while true do
       local member = oldest()
       local level = rank_of(rank)
@@ -111,7 +132,7 @@ if waiting > 0 then
     local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf', 'WITHSCORES',
       'LIMIT', 0, 1)[2]
     rank = after and math.floor(tonumber(after) / RANK)
-    passed = 0
+    head, at, passed = {}, 1, 0
   end
 end
 
@@ -122,6 +143,10 @@ local line_was_empty = waiting == 0
 local function wait(member)
   local deadline = now + patience
   redis.call('ZADD', alive, int(deadline), member)
+  if alive_at and deadline < alive_at then
+    alive_at = deadline
+    changed = true
+  end
   if line_was_empty or deadline > line then
     line_was_empty = false
     line = deadline + math.floor(patience / 2)

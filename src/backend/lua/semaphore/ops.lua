@@ -142,7 +142,8 @@ if changed then
     redis.call('DEL', meta)
   else
     -- The fields that change on every grant and release, and the rest only when they did.
-    local fields = {'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence)}
+    local fields = {'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence),
+      'seen', int(now)}
     if horizon ~= tonumber(stored[4]) then
       table.insert(fields, 'horizon')
       table.insert(fields, int(horizon))
@@ -154,6 +155,14 @@ if changed then
     if arrived ~= tonumber(stored[8] or 0) then
       table.insert(fields, 'arrived')
       table.insert(fields, int(arrived))
+    end
+    if alive_at and alive_at ~= tonumber(stored[15]) then
+      table.insert(fields, 'alive_at')
+      table.insert(fields, int(alive_at))
+    end
+    if silent_at and silent_at ~= tonumber(stored[16]) then
+      table.insert(fields, 'silent_at')
+      table.insert(fields, int(silent_at))
     end
     if pending ~= tonumber(stored[9] or 0) then
       table.insert(fields, 'pending')

@@ -12,8 +12,10 @@ if earliest and earliest <= now then
   changed = true
 end
 -- The server's clock stepped back: deadlines set before the step lie more than a lease ahead
--- and would keep their slots a step too long. Each is clamped to now + its lease (one read
--- when the clock is sane); so are the waiters' liveness deadlines, to now + patience.
+-- and would keep their slots a step too long. Each is clamped to now + its lease; so are the
+-- waiters' liveness deadlines, to now + patience. Every deadline was set by a call at `seen`
+-- or before it, within its lease (or patience) of that call, so only a clock behind `seen`
+-- (or meta lost, which forgets it) can need it: no read at all when the clock is sane.
 local function clamp(key, span_of)
   local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   if not latest[2] or tonumber(latest[2]) <= now + span_of(latest[1]) then
@@ -28,17 +30,19 @@ local function clamp(key, span_of)
   end
   return true
 end
-if clamp(holders, function(member)
+if (not seen or now < seen) and clamp(holders, function(member)
   local _, lease = parse(member)
   return lease
 end) then
   changed = true
 end
 -- The line's expiry (`line`) lies at most 1.5 patience ahead unless the clock stepped back.
-if line > now + patience + math.floor(patience / 2) then
-  clamp(alive, function()
-    return patience
-  end)
+if line > now + patience + math.floor(patience / 2) and clamp(alive, function()
+  return patience
+end) then
+  -- Deadlines moved earlier: the line is looked over for waiters gone this very call.
+  alive_at = now
+  changed = true
 end
 -- A provisional grant that ran out unclaimed: its process is silent (frozen or dead), and
 -- its other waiters are passed over until it is heard from (any call of it, below).
@@ -67,6 +71,7 @@ if #silenced > 0 then
   for _, field in ipairs(silenced) do
     redis.call('HSET', meta, field, int(now))
   end
+  silent_at = now
 end
 if stored[10] then
   redis.call('HDEL', meta, 's:' .. caller)
