@@ -3,7 +3,8 @@
 -- The script is this file and the eight after it, in order (classes, tenants, fence, sweep, adapt, holders, line, ops;
 -- `semaphore.rs` joins them after `gcra.lua`); each part's locals are the next parts' too.
 --
--- KEYS[1] holders: zset, member -> lease deadline (ms)
+-- KEYS[1] holders: zset, member -> lease deadline (ms); a provisional grant not claimed yet
+--                  has its deadline + 0.5 (a score's fraction marks it at no extra command)
 -- KEYS[2] meta:    hash, `used` = weight of the live holders, `count` = how many they are,
 --                  `fence` = last fencing token, `horizon` = when holders and meta expire (ms),
 --                  `limit` = the limit every process admits by, `pinned` = 1 when an operator set
@@ -11,8 +12,7 @@
 --                  which goes with the other keys when the semaphore falls idle; `line` = when
 --                  queue and alive expire (ms), `arrived` = the last arrival score given
 --                  (µs), so arrivals in one call or one microsecond keep their order;
---                  `p:<member>` = 1 for a provisional grant not claimed yet (`pending`
---                  counts them), `s:<process tag>`
+--                  `s:<process tag>`
 --                  = when a provisional grant of that process ran out unclaimed (ms): the
 --                  process is silent (frozen or dead), and its other waiters are passed over
 --                  until it makes a call, and `silent_at` = when the latest was marked;
@@ -188,44 +188,32 @@ local function left(deadline)
 end
 
 local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
-  'line', 'arrived', 'pending', 's:' .. caller, 'adaptive', 'unpinned', 'classes', 'seen',
-  'alive_at', 'silent_at')
+  'line', 'arrived', 's:' .. caller, 'adaptive', 'unpinned', 'classes', 'seen', 'alive_at',
+  'silent_at')
 local used, count = tonumber(stored[1]), tonumber(stored[2])
 local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
 local line = tonumber(stored[7]) or 0
 local arrived = tonumber(stored[8]) or 0
--- How many holders hold a provisional grant (a `p:` field each).
-local pending = tonumber(stored[9]) or 0
 -- The server time of the latest call that set a deadline (ms): each holder's deadline lies
 -- within its lease of it, so only a clock behind it can leave one further ahead (sweep.lua).
-local seen = tonumber(stored[14])
+local seen = tonumber(stored[13])
 -- No waiter's liveness deadline is before this (ms; nil when not known): waiters that stopped
 -- answering are looked for once it has passed (line.lua).
-local alive_at = tonumber(stored[15])
+local alive_at = tonumber(stored[14])
 -- When a process was last marked silent (ms): a patience later no mark is in force (sweep.lua).
-local silent_at = tonumber(stored[16])
+local silent_at = tonumber(stored[15])
 local changed = false
 -- The classes' shares in force (classes.lua), as stored with the limit.
-local stored_shares = stored[13] or nil
+local stored_shares = stored[12] or nil
 local shares = nil
-
--- A provisional grant is claimed (extended for a full lease) or gone: true if it was one.
-local function settle_pending(member)
-  if pending > 0 and redis.call('HDEL', meta, 'p:' .. member) == 1 then
-    pending = pending - 1
-    changed = true
-    return true
-  end
-  return false
-end
 -- One limit for every process: the one stored with the semaphore, else this caller's, stored
 -- for the others to adopt.
 local pinned = stored[6] == '1'
 -- Whether the limit adapts ("<min>/<max>"), decided with the limit by whoever stores it.
 -- (A missing field reads as false.)
-local adaptive = stored[11] or nil
+local adaptive = stored[10] or nil
 local configured = limit
-local unpinned = tonumber(stored[12])
+local unpinned = tonumber(stored[11])
 if tonumber(stored[5]) then
   limit = tonumber(stored[5])
 else

@@ -11,10 +11,11 @@ local function cover(lease)
 end
 
 -- Adds a holder (of `weight`, with `lease`, parsed from `member`) for `term` ms (at most its
--- lease); returns its token and deadline.
-local function grant(member, weight, lease, term)
+-- lease), provisional (its score's fraction says so) until its process claims it; returns its
+-- token and deadline.
+local function grant(member, weight, lease, term, provisional)
   local deadline = now + math.min(term, lease)
-  redis.call('ZADD', holders, int(deadline), member)
+  redis.call('ZADD', holders, provisional and int(deadline) .. '.5' or int(deadline), member)
   redis.call('HSET', since, member, int(now))
   account(member, 1)
   count = count + 1
@@ -27,17 +28,18 @@ local function grant(member, weight, lease, term)
 end
 
 -- Pushes a holder's deadline to a full lease from now (never shortens it, never re-adds a
--- holder that is gone); returns the deadline, or nil when it no longer holds.
+-- holder that is gone), which claims a provisional grant; returns the deadline, or nil when
+-- it no longer holds.
 local function extend(member)
-  local deadline = tonumber(redis.call('ZSCORE', holders, member))
-  if not deadline then
+  local score = tonumber(redis.call('ZSCORE', holders, member))
+  if not score then
     return nil
   end
+  local deadline = math.floor(score)
   local _, lease = parse(member)
   if now + lease > deadline then
     deadline = now + lease
     redis.call('ZADD', holders, 'XX', int(deadline), member)
-    settle_pending(member)
     cover(lease)
     changed = true
   end
@@ -66,7 +68,6 @@ for i = 10, args - 1 do
       end
     end
     redis.call('HDEL', since, member)
-    settle_pending(member)
     account(member, -1)
     count = count - 1
     changed = true
@@ -86,7 +87,6 @@ if op == 'evict' then
     local member = page[2][1]
     if member and redis.call('ZREM', holders, member) == 1 then
       redis.call('HDEL', since, member)
-      settle_pending(member)
       account(member, -1)
       count = count - 1
       changed = true

@@ -74,9 +74,7 @@ if waiting > 0 then
       return
     end
     local term = math.min(claim, math.max(math.floor(lease / 2), 1))
-    local token, deadline = grant(member, weight, lease, term)
-    redis.call('HSET', meta, 'p:' .. member, 1)
-    pending = pending + 1
+    local token, deadline = grant(member, weight, lease, term, true)
     granted[member] = token
     -- On the channel of the member's process only (its id starts with the process's tag).
     redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
@@ -168,6 +166,7 @@ end
 -- next waiter before that anyway, so this costs a touch per claim window at most).
 local function retry_in()
   local due = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
+  due = due and math.floor(due)
   if fenced_until and (not due or fenced_until < due) then
     due = fenced_until
   end

@@ -127,7 +127,7 @@ elseif op == 'snapshot' then
   for i = 1, #entries, 2 do
     local member = entries[i]
     table.insert(reply, member)
-    table.insert(reply, entries[i + 1])
+    table.insert(reply, int(math.floor(tonumber(entries[i + 1]))))
     table.insert(reply, tonumber(redis.call('HGET', since, member)) or 0)
     table.insert(reply, names[string.sub(member, 1, 8)] or '')
   end
@@ -156,19 +156,15 @@ if changed then
       table.insert(fields, 'arrived')
       table.insert(fields, int(arrived))
     end
-    if alive_at and alive_at ~= tonumber(stored[15]) then
+    if alive_at and alive_at ~= tonumber(stored[14]) then
       table.insert(fields, 'alive_at')
       table.insert(fields, int(alive_at))
     end
-    if silent_at and silent_at ~= tonumber(stored[16]) then
+    if silent_at and silent_at ~= tonumber(stored[15]) then
       table.insert(fields, 'silent_at')
       table.insert(fields, int(silent_at))
     end
-    if pending ~= tonumber(stored[9] or 0) then
-      table.insert(fields, 'pending')
-      table.insert(fields, int(math.max(pending, 0)))
-    end
-    if adaptive and adaptive ~= stored[11] then
+    if adaptive and adaptive ~= stored[10] then
       table.insert(fields, 'adaptive')
       table.insert(fields, adaptive)
     end
@@ -181,7 +177,7 @@ if changed then
       table.insert(fields, pinned and '1' or '0')
     end
     redis.call('HSET', meta, unpack(fields))
-    if unpinned ~= tonumber(stored[12]) then
+    if unpinned ~= tonumber(stored[11]) then
       if unpinned then
         redis.call('HSET', meta, 'unpinned', int(unpinned))
       else

@@ -4,9 +4,19 @@
 -- Drop holders whose lease has passed, if the earliest has.
 local earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
 local expired = {}
-if earliest and earliest <= now then
-  local until_now = int(now)
-  expired = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now)
+-- Whose provisional grants (a score with a fraction) ran out unclaimed: the mark of each one's
+-- process.
+local silenced = {}
+if earliest and math.floor(earliest) <= now then
+  -- (Up to now.5: a provisional grant whose deadline is now has passed too.)
+  local until_now = int(now) .. '.5'
+  local entries = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now, 'WITHSCORES')
+  for i = 1, #entries, 2 do
+    table.insert(expired, entries[i])
+    if tonumber(entries[i + 1]) % 1 ~= 0 then
+      table.insert(silenced, 's:' .. string.sub(entries[i], 1, 8))
+    end
+  end
   redis.call('ZREMRANGEBYSCORE', holders, '-inf', until_now)
   redis.call('HDEL', since, unpack(expired))
   changed = true
@@ -18,14 +28,16 @@ end
 -- (or meta lost, which forgets it) can need it: no read at all when the clock is sane.
 local function clamp(key, span_of)
   local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if not latest[2] or tonumber(latest[2]) <= now + span_of(latest[1]) then
+  if not latest[2] or math.floor(tonumber(latest[2])) <= now + span_of(latest[1]) then
     return false
   end
   local entries = redis.call('ZRANGEBYSCORE', key, '(' .. int(now), '+inf', 'WITHSCORES')
   for i = 1, #entries, 2 do
     local bound = now + span_of(entries[i])
-    if tonumber(entries[i + 1]) > bound then
-      redis.call('ZADD', key, 'XX', int(bound), entries[i])
+    local score = tonumber(entries[i + 1])
+    if math.floor(score) > bound then
+      -- (A provisional grant stays one.)
+      redis.call('ZADD', key, 'XX', int(bound) .. (score % 1 ~= 0 and '.5' or ''), entries[i])
     end
   end
   return true
@@ -51,12 +63,6 @@ end
 local function still_silent(marked)
   return marked ~= nil and now - marked < patience
 end
-local silenced = {}
-for _, member in ipairs(expired) do
-  if settle_pending(member) then
-    table.insert(silenced, 's:' .. string.sub(member, 1, 8))
-  end
-end
 if #silenced > 0 then
   local cursor = '0'
   repeat
@@ -73,7 +79,7 @@ if #silenced > 0 then
   end
   silent_at = now
 end
-if stored[10] then
+if stored[9] then
   redis.call('HDEL', meta, 's:' .. caller)
 end
 -- The caller's name, told now and then (`RedisBackendBuilder::process_name`), for snapshots.
@@ -117,7 +123,7 @@ if used == nil or count ~= card then
   end
   horizon = 0
   if card > 0 then
-    local latest = tonumber(redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')[2])
+    local latest = math.floor(tonumber(redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')[2]))
     horizon = latest + math.floor((latest - now) / 2) + 1
     redis.call('PEXPIREAT', holders, int(horizon))
   end
