@@ -610,6 +610,23 @@ mod tests {
         name.into()
     }
 
+    /// Waiters `a` then `b` in a fresh line, nothing due (the hub keeps the line).
+    async fn two_in_line() -> (
+        Hub,
+        Arc<Backend>,
+        Arc<Waitlist>,
+        [Arc<str>; 2],
+        [tokio::task::JoinHandle<Result<Wake, Error>>; 2],
+    ) {
+        let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
+        let list = hub.waitlist("sem");
+        let (a, b) = (member("a"), member("b"));
+        let first = wait(&list, &backend, &a, Instant::now() + FAR);
+        let second = wait(&list, &backend, &b, Instant::now() + FAR);
+        run_tasks().await;
+        (hub, backend, list, [a, b], [first, second])
+    }
+
     #[tokio::test(start_paused = true)]
     async fn an_announced_grant_wakes_its_waiter_with_no_call() {
         let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
@@ -630,12 +647,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_oldest_waiter_alone_refreshes_the_line_every_keepalive() {
-        let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
-        let list = hub.waitlist("sem");
-        let (a, b) = (member("a"), member("b"));
-        let first = wait(&list, &backend, &a, Instant::now() + FAR);
-        let second = wait(&list, &backend, &b, Instant::now() + FAR);
-        run_tasks().await;
+        let (_hub, backend, _list, [a, b], [first, second]) = two_in_line().await;
         tokio::time::sleep(KEEPALIVE * 3 + KEEPALIVE / 2).await;
         // One touch per keepalive, each for the whole line.
         assert_eq!(backend.touches(), vec![vec![a.clone(), b.clone()]; 3]);
@@ -651,12 +663,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_lease_end_any_call_learns_of_moves_the_refresh() {
-        let (hub, backend) = (Hub::new(None), Arc::new(Backend::default()));
-        let list = hub.waitlist("sem");
-        let (a, b) = (member("a"), member("b"));
-        let first = wait(&list, &backend, &a, Instant::now() + FAR);
-        let second = wait(&list, &backend, &b, Instant::now() + FAR);
-        run_tasks().await;
+        let (_hub, backend, list, [a, b], [first, second]) = two_in_line().await;
         // Another call of this process (a release) learns that a lease ends in 200 ms: the
         // oldest waiter refreshes the line then, not a keepalive after it queued.
         list.check_by(Instant::now() + Duration::from_millis(200));
