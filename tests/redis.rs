@@ -675,3 +675,144 @@ async fn waiters_queued_by_one_call_keep_their_order() {
         &order[..20]
     );
 }
+
+async fn encoding(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<String> {
+    redis::cmd("OBJECT")
+        .arg("ENCODING")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
+/// Whether any member of a zset or field of a hash is the script's 65-byte converter.
+async fn converter_left(conn: &mut redis::aio::MultiplexedConnection, name: &str) -> bool {
+    let mut names: Vec<String> = Vec::new();
+    for zset in ["holders", "queue", "alive"] {
+        let members: Vec<String> = redis::cmd("ZRANGE")
+            .arg(format!("dlimit:{{{name}}}:{zset}"))
+            .arg(0)
+            .arg(-1)
+            .query_async(conn)
+            .await
+            .unwrap();
+        names.extend(members);
+    }
+    for hash in ["meta", "since"] {
+        let fields: Vec<String> = redis::cmd("HKEYS")
+            .arg(format!("dlimit:{{{name}}}:{hash}"))
+            .query_async(conn)
+            .await
+            .unwrap();
+        names.extend(fields);
+    }
+    names.iter().any(|n| n.starts_with('~'))
+}
+
+/// A busy semaphore's keys leave Redis's compact encoding (which scans every member on each
+/// lookup) for good, through a member added and removed in the same call: nobody ever sees
+/// that member, the counts stay exact, and the line still serves in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_keys_leave_the_compact_encoding_unseen() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("wide")
+        .limit(6)
+        .acquire_timeout(Duration::from_secs(30))
+        .build(redis.backend().await)
+        .unwrap();
+    let mut conn = redis.conn().await;
+    let mut held = Vec::new();
+    for _ in 0..6 {
+        held.push(sem.acquire().await.unwrap());
+    }
+    assert_eq!(
+        encoding(&mut conn, "dlimit:{wide}:holders")
+            .await
+            .as_deref(),
+        Some("skiplist")
+    );
+    for hash in ["dlimit:{wide}:since", "dlimit:{wide}:meta"] {
+        assert_eq!(
+            encoding(&mut conn, hash).await.as_deref(),
+            Some("hashtable")
+        );
+    }
+    let snapshot = sem.snapshot().await.unwrap();
+    assert_eq!((snapshot.used, snapshot.holders.len()), (6, 6));
+    assert!(!converter_left(&mut conn, "wide").await);
+
+    // Five wait; the line converts when its expiry is next pushed (within half a patience of
+    // the oldest waiter's refreshes).
+    let mut waiters = Vec::new();
+    for joined in 1..=5 {
+        let sem = sem.clone();
+        waiters.push(tokio::spawn(async move {
+            sem.acquire().await.map(|p| p.fencing_token())
+        }));
+        eventually(Duration::from_secs(5), "the waiter to queue", || async {
+            redis.queue_len("wide").await == joined
+        })
+        .await;
+    }
+    eventually(Duration::from_secs(10), "the line to convert", || async {
+        let mut conn = redis.conn().await;
+        encoding(&mut conn, "dlimit:{wide}:queue").await.as_deref() == Some("skiplist")
+            && encoding(&mut conn, "dlimit:{wide}:alive").await.as_deref() == Some("skiplist")
+    })
+    .await;
+    assert!(!converter_left(&mut conn, "wide").await);
+    assert_eq!(sem.snapshot().await.unwrap().waiting, 5);
+
+    // Each release admits the oldest waiter, in arrival order, and never more than the limit.
+    let mut last = 0;
+    for waiter in waiters {
+        drop(held.remove(0));
+        let token = waiter.await.unwrap().unwrap();
+        assert!(token > last, "served out of order");
+        last = token;
+        let snapshot = sem.snapshot().await.unwrap();
+        assert!(snapshot.used <= 6, "{} held", snapshot.used);
+    }
+    assert!(!converter_left(&mut conn, "wide").await);
+}
+
+/// Where Redis keeps long members in listpacks too (`*-max-listpack-value` raised), nothing
+/// converts, and the semaphore works the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_converts_still_counts_exactly() {
+    let redis = Redis::start().await;
+    let mut conn = redis.conn().await;
+    for setting in ["zset-max-listpack-value", "hash-max-listpack-value"] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(setting)
+            .arg(1024)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    let sem = Semaphore::builder("compact")
+        .limit(5)
+        .acquire_timeout(Duration::from_secs(30))
+        .build(redis.backend().await)
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(sem.acquire().await.unwrap());
+    }
+    assert!(sem.try_acquire().await.unwrap().is_none(), "a sixth slot");
+    assert_eq!(
+        encoding(&mut conn, "dlimit:{compact}:holders")
+            .await
+            .as_deref(),
+        Some("listpack")
+    );
+    assert!(!converter_left(&mut conn, "compact").await);
+    let snapshot = sem.snapshot().await.unwrap();
+    assert_eq!((snapshot.used, snapshot.holders.len()), (5, 5));
+    held.clear();
+    eventually(Duration::from_secs(5), "the slots to come back", || async {
+        sem.snapshot().await.unwrap().used == 0
+    })
+    .await;
+}

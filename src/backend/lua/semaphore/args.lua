@@ -111,7 +111,8 @@ if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
 end
 
 local time = redis.call('TIME')
-local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+-- (Digits from the server: arithmetic reads each with one parse, `tonumber` takes two.)
+local now_us = time[1] * 1000000 + time[2]
 local now = math.floor(now_us / 1000)
 
 -- Lua numbers are doubles: every integer sent to Redis is written here, as `%d` (`tostring`
@@ -119,6 +120,27 @@ local now = math.floor(now_us / 1000)
 -- costs twice as much).
 local function int(n)
   return string.format('%d', n)
+end
+
+-- Keys of more than a few members are kept in Redis's general encodings (skiplist, hashtable):
+-- the compact one (a listpack, up to 128 members by default) scans its entries on every
+-- lookup, parsing a zset's scores on the way, where the others find a member by its hash. A
+-- member longer than 64 bytes converts a key for good (Redis does not convert back on
+-- removal), so one goes in and out: meta when it is created, holders and since when four
+-- hold, the line when its expiry is pushed while four wait.
+local function widen(key, hash)
+  local encoding = redis.call('OBJECT', 'ENCODING', key)
+  if encoding == 'skiplist' or encoding == 'hashtable' then
+    return
+  end
+  local long = string.rep('~', 65)
+  if hash then
+    redis.call('HSET', key, long, '')
+    redis.call('HDEL', key, long)
+  else
+    redis.call('ZADD', key, '0', long)
+    redis.call('ZREM', key, long)
+  end
 end
 
 -- What a member says of itself, read once per call (patterns cost more than the rest of
@@ -149,7 +171,8 @@ local function facts_of(member)
     pool, at = true, at + 2
   end
   local weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
-  known = {tonumber(weight) or 0, tonumber(lease) or 0, level, tenant, pool}
+  -- (Digits, or nil: arithmetic reads them with one parse where `tonumber` takes two.)
+  known = {weight and weight + 0 or 0, lease and lease + 0 or 0, level, tenant, pool}
   facts[member] = known
   return known
 end
@@ -190,18 +213,23 @@ end
 local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
   'line', 'arrived', 's:' .. caller, 'adaptive', 'unpinned', 'classes', 'seen', 'alive_at',
   'silent_at')
-local used, count = tonumber(stored[1]), tonumber(stored[2])
-local fence, horizon = tonumber(stored[3]) or 0, tonumber(stored[4]) or 0
-local line = tonumber(stored[7]) or 0
-local arrived = tonumber(stored[8]) or 0
+-- Each number read once (a `tonumber` of a string costs two parses): `stored` holds the
+-- numbers as read, for the write-back to compare against (ops.lua).
+for _, i in ipairs({1, 2, 3, 4, 5, 7, 8, 11, 13, 14, 15}) do
+  stored[i] = tonumber(stored[i])
+end
+local used, count = stored[1], stored[2]
+local fence, horizon = stored[3] or 0, stored[4] or 0
+local line = stored[7] or 0
+local arrived = stored[8] or 0
 -- The server time of the latest call that set a deadline (ms): each holder's deadline lies
 -- within its lease of it, so only a clock behind it can leave one further ahead (sweep.lua).
-local seen = tonumber(stored[13])
+local seen = stored[13]
 -- No waiter's liveness deadline is before this (ms; nil when not known): waiters that stopped
 -- answering are looked for once it has passed (line.lua).
-local alive_at = tonumber(stored[14])
+local alive_at = stored[14]
 -- When a process was last marked silent (ms): a patience later no mark is in force (sweep.lua).
-local silent_at = tonumber(stored[15])
+local silent_at = stored[15]
 local changed = false
 -- The classes' shares in force (classes.lua), as stored with the limit.
 local stored_shares = stored[12] or nil
@@ -213,9 +241,9 @@ local pinned = stored[6] == '1'
 -- (A missing field reads as false.)
 local adaptive = stored[10] or nil
 local configured = limit
-local unpinned = tonumber(stored[11])
-if tonumber(stored[5]) then
-  limit = tonumber(stored[5])
+local unpinned = stored[11]
+if stored[5] then
+  limit = stored[5]
 else
   changed = true
   adaptive = adapt_min and (adapt_min .. '/' .. adapt_max) or nil
@@ -223,7 +251,7 @@ end
 if op == 'set_limit' then
   -- The limit to return to: the one in force, unless it is a pin, or the caller's own (an
   -- operator's tool pinning a semaphore nobody uses has no limit of its own to give).
-  if not pinned and tonumber(stored[5]) then
+  if not pinned and stored[5] then
     unpinned = limit
   end
   limit = tonumber(ARGV[args])

@@ -19,6 +19,10 @@ local function grant(member, weight, lease, term, provisional)
   redis.call('HSET', since, member, int(now))
   account(member, 1)
   count = count + 1
+  if count == 4 then
+    widen(holders)
+    widen(since, true)
+  end
   -- Strictly increasing; the server time in µs as a floor keeps the token above every token
   -- issued before the counter expired in an idle spell.
   fence = math.max(fence + 1, now_us)

@@ -7,7 +7,18 @@ local granted = {}
 -- The line's first few (by class, then arrival): whether anyone waits, and the first class's
 -- head, so most calls read the line once.
 local HEAD = 4
-local firsts = redis.call('ZRANGE', queue, 0, HEAD - 1, 'WITHSCORES')
+-- (Numbers go to Redis as strings: one passed as it is costs a float's formatting.)
+local HEAD_LAST, HEAD_COUNT = int(HEAD - 1), int(HEAD)
+local firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
+-- A waiter's place in the line: its class's rank, or past every class (8 and up) when parked.
+-- Only a tenant's waiters park, so the others' place is in their names (a score read costs
+-- its formatting as a float and a parse back).
+local function place(member)
+  if tenant_of(member) then
+    return math.floor(tonumber(redis.call('ZSCORE', queue, member)) / RANK)
+  end
+  return rank_of(level_of(member))
+end
 local waiting = #firsts > 0 and 1 or 0
 -- The classes (by rank) whose oldest waiter still waits: a newcomer of one queues behind it.
 local waits_in = {}
@@ -20,10 +31,10 @@ if waiting > 0 then
       redis.call('ZREM', alive, member)
     end
     -- Every later deadline is a call's now + its patience: at least this one's.
-    alive_at = tonumber(redis.call('ZRANGE', alive, 0, 0, 'WITHSCORES')[2]) or now + patience
+    alive_at = tonumber(redis.call('ZRANGE', alive, '0', '0', 'WITHSCORES')[2]) or now + patience
     changed = true
     if #gone > 0 then
-      firsts = redis.call('ZRANGE', queue, 0, HEAD - 1, 'WITHSCORES')
+      firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
     end
   end
   -- Each class in turn, highest first: its head read a few at a time, since a release usually
@@ -36,7 +47,7 @@ if waiting > 0 then
   local function next_in_line()
     if at > #head then
       head, at = redis.call('ZRANGEBYSCORE', queue, int(rank * RANK), '(' .. int((rank + 1) * RANK),
-        'LIMIT', passed, HEAD), 1
+        'LIMIT', int(passed), HEAD_COUNT), 1
     end
     at = at + 1
     return head[at - 1]
@@ -80,12 +91,11 @@ if waiting > 0 then
     redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
       member .. ' ' .. int(token) .. ' ' .. int(deadline))
   end
-  local first = firsts[2]
-  rank = first and math.floor(tonumber(first) / RANK)
+  rank = firsts[1] and place(firsts[1])
   -- The first class's members among the first few are its head's first read.
-  for i = 1, #firsts, 2 do
-    if math.floor(tonumber(firsts[i + 1]) / RANK) == rank then
-      table.insert(head, firsts[i])
+  for _, member in ipairs(firsts) do
+    if place(member) == rank then
+      table.insert(head, member)
     end
   end
   waiting = 0
@@ -127,9 +137,8 @@ if waiting > 0 then
       -- Without shares nothing of a lower class fits where this one does not.
       break
     end
-    local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf', 'WITHSCORES',
-      'LIMIT', 0, 1)[2]
-    rank = after and math.floor(tonumber(after) / RANK)
+    local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf', 'LIMIT', '0', '1')[1]
+    rank = after and place(after)
     head, at, passed = {}, 1, 0
   end
 end
@@ -150,6 +159,10 @@ local function wait(member)
     line = deadline + math.floor(patience / 2)
     redis.call('PEXPIREAT', queue, int(line))
     redis.call('PEXPIREAT', alive, int(line))
+    if #firsts >= HEAD then
+      widen(queue)
+      widen(alive)
+    end
     changed = true
   end
   if tenant_of(member) then
@@ -165,7 +178,7 @@ end
 -- announcement, and only a call can give its slot on (a live process's release admits the
 -- next waiter before that anyway, so this costs a touch per claim window at most).
 local function retry_in()
-  local due = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
+  local due = tonumber(redis.call('ZRANGE', holders, '0', '0', 'WITHSCORES')[2])
   due = due and math.floor(due)
   if fenced_until and (not due or fenced_until < due) then
     due = fenced_until

@@ -11,11 +11,15 @@ if op == 'acquire' then
     cancelled[member] = true
   end
   -- A rate limit (KEYS[8]) decided with each acquire that would be granted at once.
-  local rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
-  local rated = KEYS[8] ~= nil and KEYS[8] ~= promoted_key and rate > 0
+  local rated = KEYS[8] ~= nil and KEYS[8] ~= promoted_key
+  local rate, period, burst
+  if rated then
+    rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
+    rated = rate > 0
+  end
   reply = {}
   for i = args + 3, #ARGV - 2, 3 do
-    local member, mode, cost = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+    local member, mode = ARGV[i], ARGV[i + 1]
     local weight, lease = parse(member)
     local level = level_of(member)
     local tenant = tenant_of(member)
@@ -34,6 +38,7 @@ if op == 'acquire' then
       answer = {0, 0, now_us, limit}
     elseif not waits_in[rank_of(level)] and admits(level, weight, tenant) and settled(lease) then
       local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
+      local cost = rated and tonumber(ARGV[i + 2])
       if rated and cost > 0 then
         allowed, remaining, retry_us, reset_us = gcra(KEYS[8], rate, period, burst, cost, now_us)
       end
@@ -144,23 +149,23 @@ if changed then
     -- The fields that change on every grant and release, and the rest only when they did.
     local fields = {'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence),
       'seen', int(now)}
-    if horizon ~= tonumber(stored[4]) then
+    if horizon ~= stored[4] then
       table.insert(fields, 'horizon')
       table.insert(fields, int(horizon))
     end
-    if line ~= tonumber(stored[7] or 0) then
+    if line ~= (stored[7] or 0) then
       table.insert(fields, 'line')
       table.insert(fields, int(line))
     end
-    if arrived ~= tonumber(stored[8] or 0) then
+    if arrived ~= (stored[8] or 0) then
       table.insert(fields, 'arrived')
       table.insert(fields, int(arrived))
     end
-    if alive_at and alive_at ~= tonumber(stored[14]) then
+    if alive_at and alive_at ~= stored[14] then
       table.insert(fields, 'alive_at')
       table.insert(fields, int(alive_at))
     end
-    if silent_at and silent_at ~= tonumber(stored[15]) then
+    if silent_at and silent_at ~= stored[15] then
       table.insert(fields, 'silent_at')
       table.insert(fields, int(silent_at))
     end
@@ -170,21 +175,24 @@ if changed then
     end
     gradient_fields(fields)
     class_fields(fields)
-    if limit ~= tonumber(stored[5]) or (pinned and '1' or '0') ~= stored[6] then
+    if limit ~= stored[5] or (pinned and '1' or '0') ~= stored[6] then
       table.insert(fields, 'limit')
       table.insert(fields, int(limit))
       table.insert(fields, 'pinned')
       table.insert(fields, pinned and '1' or '0')
     end
     redis.call('HSET', meta, unpack(fields))
-    if unpinned ~= tonumber(stored[11]) then
+    if not stored[5] then
+      widen(meta, true)
+    end
+    if unpinned ~= stored[11] then
       if unpinned then
         redis.call('HSET', meta, 'unpinned', int(unpinned))
       else
         redis.call('HDEL', meta, 'unpinned')
       end
     end
-    if horizon ~= tonumber(stored[4]) then
+    if horizon ~= stored[4] then
       redis.call('PEXPIREAT', since, int(horizon))
       if horizon > now then
         -- (Not to a horizon passed: a name told by this call stays its claim window.)

@@ -1,16 +1,16 @@
 -- Part 4 of the semaphore script: expired holders out, the clamps for a clock stepped back,
 -- the silent processes, and the counters checked against the members they count.
 
--- Drop holders whose lease has passed, if the earliest has.
-local earliest = tonumber(redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')[2])
+-- Drop holders whose lease has passed (one read, empty on most calls: asking for the earliest
+-- first would cost a score's formatting on every call).
 local expired = {}
 -- Whose provisional grants (a score with a fraction) ran out unclaimed: the mark of each one's
 -- process.
 local silenced = {}
-if earliest and math.floor(earliest) <= now then
-  -- (Up to now.5: a provisional grant whose deadline is now has passed too.)
-  local until_now = int(now) .. '.5'
-  local entries = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now, 'WITHSCORES')
+-- (Up to now.5: a provisional grant whose deadline is now has passed too.)
+local until_now = int(now) .. '.5'
+local entries = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now, 'WITHSCORES')
+if #entries > 0 then
   for i = 1, #entries, 2 do
     table.insert(expired, entries[i])
     if tonumber(entries[i + 1]) % 1 ~= 0 then
@@ -27,7 +27,7 @@ end
 -- or before it, within its lease (or patience) of that call, so only a clock behind `seen`
 -- (or meta lost, which forgets it) can need it: no read at all when the clock is sane.
 local function clamp(key, span_of)
-  local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  local latest = redis.call('ZRANGE', key, '-1', '-1', 'WITHSCORES')
   if not latest[2] or math.floor(tonumber(latest[2])) <= now + span_of(latest[1]) then
     return false
   end
@@ -87,8 +87,8 @@ end
 -- set expires with the holders (its expiry moves with theirs, at the end), and lives a claim
 -- window at least: the caller tells its name again after a pause that long, not sooner.
 if caller_name ~= '' then
-  redis.call('ZADD', procs, now, ARGV[8])
-  redis.call('ZREMRANGEBYSCORE', procs, '-inf', now - 3600000)
+  redis.call('ZADD', procs, int(now), ARGV[8])
+  redis.call('ZREMRANGEBYSCORE', procs, '-inf', int(now - 3600000))
   redis.call('PEXPIREAT', procs, int(math.max(horizon, now + claim)))
 end
 if used and count then
