@@ -121,6 +121,8 @@ local now = math.floor(now_us / 1000)
 local function int(n)
   return string.format('%d', n)
 end
+-- (Written once: several commands of a call carry it.)
+local now_text = int(now)
 
 -- Keys of more than a few members are kept in Redis's general encodings (skiplist, hashtable):
 -- the compact one (a listpack, up to 128 members by default) scans its entries on every

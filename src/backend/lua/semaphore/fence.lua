@@ -18,7 +18,7 @@ if promoted_key then
       promoted = tonumber(seen[2])
     else
       promoted = now
-      redis.call('HSET', promoted_key, 'id', id, 'at', int(now))
+      redis.call('HSET', promoted_key, 'id', id, 'at', now_text)
     end
   end
 end

@@ -16,7 +16,7 @@ end
 local function grant(member, weight, lease, term, provisional)
   local deadline = now + math.min(term, lease)
   redis.call('ZADD', holders, provisional and int(deadline) .. '.5' or int(deadline), member)
-  redis.call('HSET', since, member, int(now))
+  redis.call('HSET', since, member, now_text)
   account(member, 1)
   count = count + 1
   if count == 4 then

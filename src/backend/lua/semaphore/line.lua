@@ -6,9 +6,9 @@
 local granted = {}
 -- The line's first few (by class, then arrival): whether anyone waits, and the first class's
 -- head, so most calls read the line once.
-local HEAD = 4
--- (Numbers go to Redis as strings: one passed as it is costs a float's formatting.)
-local HEAD_LAST, HEAD_COUNT = int(HEAD - 1), int(HEAD)
+-- (Numbers go to Redis as strings: one passed as it is costs a float's formatting, and so does
+-- `int`: the head's bounds are written out.)
+local HEAD, HEAD_LAST, HEAD_COUNT = 4, '3', '4'
 local firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
 -- A waiter's place in the line: its class's rank, or past every class (8 and up) when parked.
 -- Only a tenant's waiters park, so the others' place is in their names (a score read costs
@@ -25,7 +25,7 @@ local waits_in = {}
 if waiting > 0 then
   -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
   if not alive_at or alive_at <= now then
-    local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', int(now))
+    local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', now_text)
     for _, member in ipairs(gone) do
       unqueue(member)
       redis.call('ZREM', alive, member)
@@ -89,7 +89,7 @@ if waiting > 0 then
     granted[member] = token
     -- On the channel of the member's process only (its id starts with the process's tag).
     redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
-      member .. ' ' .. int(token) .. ' ' .. int(deadline))
+      string.format('%s %d %d', member, token, deadline))
   end
   rank = firsts[1] and place(firsts[1])
   -- The first class's members among the first few are its head's first read.

@@ -148,7 +148,7 @@ if changed then
   else
     -- The fields that change on every grant and release, and the rest only when they did.
     local fields = {'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence),
-      'seen', int(now)}
+      'seen', now_text}
     if horizon ~= stored[4] then
       table.insert(fields, 'horizon')
       table.insert(fields, int(horizon))

@@ -8,7 +8,7 @@ local expired = {}
 -- process.
 local silenced = {}
 -- (Up to now.5: a provisional grant whose deadline is now has passed too.)
-local until_now = int(now) .. '.5'
+local until_now = now_text .. '.5'
 local entries = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now, 'WITHSCORES')
 if #entries > 0 then
   for i = 1, #entries, 2 do
@@ -31,7 +31,7 @@ local function clamp(key, span_of)
   if not latest[2] or math.floor(tonumber(latest[2])) <= now + span_of(latest[1]) then
     return false
   end
-  local entries = redis.call('ZRANGEBYSCORE', key, '(' .. int(now), '+inf', 'WITHSCORES')
+  local entries = redis.call('ZRANGEBYSCORE', key, '(' .. now_text, '+inf', 'WITHSCORES')
   for i = 1, #entries, 2 do
     local bound = now + span_of(entries[i])
     local score = tonumber(entries[i + 1])
@@ -75,7 +75,7 @@ if #silenced > 0 then
     end
   until cursor == '0'
   for _, field in ipairs(silenced) do
-    redis.call('HSET', meta, field, int(now))
+    redis.call('HSET', meta, field, now_text)
   end
   silent_at = now
 end
@@ -87,7 +87,7 @@ end
 -- set expires with the holders (its expiry moves with theirs, at the end), and lives a claim
 -- window at least: the caller tells its name again after a pause that long, not sooner.
 if caller_name ~= '' then
-  redis.call('ZADD', procs, int(now), ARGV[8])
+  redis.call('ZADD', procs, now_text, ARGV[8])
   redis.call('ZREMRANGEBYSCORE', procs, '-inf', int(now - 3600000))
   redis.call('PEXPIREAT', procs, int(math.max(horizon, now + claim)))
 end
