@@ -816,3 +816,55 @@ async fn a_server_that_never_converts_still_counts_exactly() {
     })
     .await;
 }
+
+/// A user whose ACL does not allow OBJECT (the encoding check) still gets every permit: the
+/// keys stay compact, nothing fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_object_rights_loses_only_the_conversion() {
+    let server = support::RedisProcess::start(|port, _| {
+        [
+            "--port",
+            &port.to_string(),
+            "--user",
+            "app",
+            "on",
+            ">pw",
+            "~*",
+            "&*",
+        ]
+        .into_iter()
+        .chain(["+@all", "-object"])
+        .map(String::from)
+        .collect()
+    })
+    .await;
+    let url = format!("redis://app:pw@127.0.0.1:{}", server.port);
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let sem = Semaphore::builder("acl-object")
+        .limit(5)
+        .acquire_timeout(Duration::from_secs(30))
+        .build(backend)
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(sem.acquire().await.unwrap());
+    }
+    assert!(sem.try_acquire().await.unwrap().is_none(), "a sixth slot");
+    // (The default user may run OBJECT.)
+    let mut conn = redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    assert_eq!(
+        encoding(&mut conn, "dlimit:{acl-object}:holders")
+            .await
+            .as_deref(),
+        Some("listpack")
+    );
+    drop(held);
+    eventually(Duration::from_secs(5), "the slots to come back", || async {
+        sem.snapshot().await.unwrap().used == 0
+    })
+    .await;
+}

@@ -131,8 +131,9 @@ local now_text = int(now)
 -- removal), so one goes in and out: meta when it is created, holders and since when four
 -- hold, the line when its expiry is pushed while four wait.
 local function widen(key, hash)
-  local encoding = redis.call('OBJECT', 'ENCODING', key)
-  if encoding == 'skiplist' or encoding == 'hashtable' then
+  local encoding = redis.pcall('OBJECT', 'ENCODING', key)
+  if type(encoding) ~= 'string' or encoding == 'skiplist' or encoding == 'hashtable' then
+    -- Converted already, or OBJECT refused to this user by an ACL: only the speed-up is lost.
     return
   end
   local long = string.rep('~', 65)

@@ -137,7 +137,8 @@ if waiting > 0 then
       -- Without shares nothing of a lower class fits where this one does not.
       break
     end
-    local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf', 'LIMIT', '0', '1')[1]
+    local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf',
+      'LIMIT', '0', '1')[1]
     rank = after and place(after)
     head, at, passed = {}, 1, 0
   end
