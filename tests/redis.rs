@@ -776,6 +776,30 @@ async fn busy_keys_leave_the_compact_encoding_unseen() {
     assert!(!converter_left(&mut conn, "wide").await);
 }
 
+/// Semaphore `name` (limit 5) filled and emptied with its keys left compact: exactly five
+/// held, the 65-byte member never seen, every slot back after the drops.
+async fn fills_and_empties_compact(
+    sem: &Semaphore,
+    conn: &mut redis::aio::MultiplexedConnection,
+    name: &str,
+) {
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(sem.acquire().await.unwrap());
+    }
+    assert!(sem.try_acquire().await.unwrap().is_none(), "a sixth slot");
+    let holders = format!("dlimit:{{{name}}}:holders");
+    assert_eq!(encoding(conn, &holders).await.as_deref(), Some("listpack"));
+    assert!(!converter_left(conn, name).await);
+    let snapshot = sem.snapshot().await.unwrap();
+    assert_eq!((snapshot.used, snapshot.holders.len()), (5, 5));
+    held.clear();
+    eventually(Duration::from_secs(5), "the slots to come back", || async {
+        sem.snapshot().await.unwrap().used == 0
+    })
+    .await;
+}
+
 /// Where Redis keeps long members in listpacks too (`*-max-listpack-value` raised), nothing
 /// converts, and the semaphore works the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -796,25 +820,7 @@ async fn a_server_that_never_converts_still_counts_exactly() {
         .acquire_timeout(Duration::from_secs(30))
         .build(redis.backend().await)
         .unwrap();
-    let mut held = Vec::new();
-    for _ in 0..5 {
-        held.push(sem.acquire().await.unwrap());
-    }
-    assert!(sem.try_acquire().await.unwrap().is_none(), "a sixth slot");
-    assert_eq!(
-        encoding(&mut conn, "dlimit:{compact}:holders")
-            .await
-            .as_deref(),
-        Some("listpack")
-    );
-    assert!(!converter_left(&mut conn, "compact").await);
-    let snapshot = sem.snapshot().await.unwrap();
-    assert_eq!((snapshot.used, snapshot.holders.len()), (5, 5));
-    held.clear();
-    eventually(Duration::from_secs(5), "the slots to come back", || async {
-        sem.snapshot().await.unwrap().used == 0
-    })
-    .await;
+    fills_and_empties_compact(&sem, &mut conn, "compact").await;
 }
 
 /// A user whose ACL does not allow OBJECT (the encoding check) still gets every permit: the
@@ -822,20 +828,12 @@ async fn a_server_that_never_converts_still_counts_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_without_object_rights_loses_only_the_conversion() {
     let server = support::RedisProcess::start(|port, _| {
+        let port = port.to_string();
         [
-            "--port",
-            &port.to_string(),
-            "--user",
-            "app",
-            "on",
-            ">pw",
-            "~*",
-            "&*",
+            "--port", &port, "--user", "app", "on", ">pw", "~*", "&*", "+@all", "-object",
         ]
-        .into_iter()
-        .chain(["+@all", "-object"])
         .map(String::from)
-        .collect()
+        .to_vec()
     })
     .await;
     let url = format!("redis://app:pw@127.0.0.1:{}", server.port);
@@ -845,26 +843,11 @@ async fn a_user_without_object_rights_loses_only_the_conversion() {
         .acquire_timeout(Duration::from_secs(30))
         .build(backend)
         .unwrap();
-    let mut held = Vec::new();
-    for _ in 0..5 {
-        held.push(sem.acquire().await.unwrap());
-    }
-    assert!(sem.try_acquire().await.unwrap().is_none(), "a sixth slot");
     // (The default user may run OBJECT.)
     let mut conn = redis::Client::open(format!("redis://127.0.0.1:{}", server.port))
         .unwrap()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    assert_eq!(
-        encoding(&mut conn, "dlimit:{acl-object}:holders")
-            .await
-            .as_deref(),
-        Some("listpack")
-    );
-    drop(held);
-    eventually(Duration::from_secs(5), "the slots to come back", || async {
-        sem.snapshot().await.unwrap().used == 0
-    })
-    .await;
+    fills_and_empties_compact(&sem, &mut conn, "acl-object").await;
 }

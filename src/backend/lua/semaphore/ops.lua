@@ -39,7 +39,7 @@ if op == 'acquire' then
     elseif not waits_in[rank_of(level)] and admits(level, weight, tenant) and settled(lease) then
       local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
       local cost = rated and tonumber(ARGV[i + 2])
-      if rated and cost > 0 then
+      if cost and cost > 0 then
         allowed, remaining, retry_us, reset_us = gcra(KEYS[8], rate, period, burst, cost, now_us)
       end
       if allowed then
