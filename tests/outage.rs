@@ -417,6 +417,84 @@ async fn a_user_without_eval_rights_is_told_which_commands_to_allow() {
     assert!(text.contains("NOPERM"), "{text}");
 }
 
+/// A redis-server whose user `app` (password `pw`) has exactly `rules` (ACL SETUSER's, key and
+/// channel patterns included, separated by spaces).
+async fn with_user(rules: &str) -> RedisProcess {
+    let rules: Vec<String> = rules.split_whitespace().map(String::from).collect();
+    RedisProcess::start(move |port, _| {
+        let mut args = vec!["--port".into(), port.to_string()];
+        args.extend(["--user", "app", "on", ">pw"].map(String::from));
+        args.extend(rules);
+        args
+    })
+    .await
+}
+
+/// Redis names neither the command nor the key it refuses inside a script; the error names
+/// every command the scripts run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_refused_inside_the_script_is_named_among_those_to_allow() {
+    let server = with_user("~* &* +@all -zadd").await;
+    let backend = RedisBackend::connect(&format!("redis://app:pw@127.0.0.1:{}", server.port))
+        .await
+        .unwrap();
+    let sem = semaphore("acl-inside", OutagePolicy::FailClosed, backend);
+    let Err(e) = sem.acquire().await else {
+        panic!("acquired without ZADD");
+    };
+    assert!(matches!(e, Error::Backend(_)), "{e:?}");
+    let text = chain(&e);
+    assert!(text.contains("inside EVAL"), "{text}");
+    assert!(text.contains("ZADD"), "{text}");
+    assert!(text.contains("ACL"), "{text}");
+}
+
+/// The commands the errors name are all a semaphore and a rate limiter need on one server, on
+/// the keys and channels of the key prefix: a user with only those holds, waits, is handed a
+/// slot by another process, and is rate limited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_with_only_the_named_commands_gets_everything() {
+    // (docs/operations.md's rules, for the default key prefix.)
+    let server = with_user(
+        "~dlimit:* &dlimit:* +eval +evalsha +subscribe +unsubscribe +ping +publish +time +info \
+         +zadd +zrem +zrange +zrangebyscore +zrangebylex +zremrangebyscore +zcard +zcount +zscore \
+         +zscan +hget +hmget +hset +hdel +hscan +get +set +del +exists +pexpireat +persist",
+    )
+    .await;
+    let url = format!("redis://app:pw@127.0.0.1:{}", server.port);
+    let build = |backend| {
+        Semaphore::builder("acl-least")
+            .limit(1)
+            .acquire_timeout(Duration::from_secs(10))
+            .build(backend)
+            .unwrap()
+    };
+    let first = build(RedisBackend::connect(&url).await.unwrap());
+    let second = build(RedisBackend::connect(&url).await.unwrap());
+    let held = first.acquire().await.unwrap();
+    let waiter = tokio::spawn(async move { second.acquire().await.map(drop) });
+    eventually(
+        Duration::from_secs(5),
+        "the second process waits",
+        || async { first.snapshot().await.unwrap().waiting == 1 },
+    )
+    .await;
+    assert_eq!(first.snapshot().await.unwrap().holders.len(), 1);
+    drop(held);
+    tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the waiter was never handed the slot")
+        .unwrap()
+        .unwrap();
+
+    let rate = tower_distributed_limit::RateLimiter::builder("acl-least")
+        .rate(1, Duration::from_secs(60))
+        .build(RedisBackend::connect(&url).await.unwrap())
+        .unwrap();
+    assert!(rate.check().await.unwrap().allowed);
+    assert!(!rate.check().await.unwrap().allowed);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quorum_with_two_of_three_nodes_down_fails_fast() {
     let mut nodes = Vec::new();

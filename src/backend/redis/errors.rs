@@ -73,10 +73,28 @@ fn access_problem(e: &RedisError) -> Option<&'static str> {
              SUBSCRIBE, WAIT and PING (SPUBLISH/SSUBSCRIBE on a Cluster) on the keys and \
              channels under the key prefix",
         )
+    } else if e.code() == Some("ERR")
+        && e.detail()
+            .is_some_and(|detail| detail.starts_with(SCRIPT_REFUSED))
+    {
+        // A command the script runs inside EVAL, refused by the user's ACL: Redis names
+        // neither the command nor the key.
+        Some(
+            "the Redis user may not run a command this crate's scripts run inside EVAL, or \
+             not on one of its keys (ACL); besides EVAL and EVALSHA allow it ZADD, ZREM, \
+             ZRANGE, ZRANGEBYSCORE, ZRANGEBYLEX, ZREMRANGEBYSCORE, ZCARD, ZCOUNT, ZSCORE, ZSCAN, \
+             HGET, HMGET, HSET, HDEL, HSCAN, GET, SET, DEL, EXISTS, PEXPIREAT, PERSIST, TIME, \
+             INFO and PUBLISH (SPUBLISH on a Cluster) on the keys and channels under the key \
+             prefix",
+        )
     } else {
         None
     }
 }
+
+/// How Redis begins the error of a command refused inside a script: "...can't run this
+/// command or subcommand" or "...can't access at least one of the keys".
+const SCRIPT_REFUSED: &str = "The user executing the script can't";
 
 /// Says what a Redis failure of `what` on the server `label` means and what to do; the
 /// Redis error stays the [`source`](std::error::Error::source) where the message leaves its
