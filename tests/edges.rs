@@ -1,5 +1,6 @@
 //! The core's promises at the edges, each attacked the way a hostile user would: short
-//! timeouts under load, runtimes that come and go, permits dropped off any runtime, keys
+//! timeouts under load, 500 waiters in one process giving up at random, runtimes that come
+//! and go, permits dropped off any runtime, keys
 //! deleted behind the semaphore's back, absurd timeouts, hostile names, per-key churn, and a
 //! Redis server busy with a script.
 
@@ -147,6 +148,101 @@ async fn a_permit_dropped_off_the_runtime_does_not_stall_later_releases() {
     std::thread::spawn(move || drop(first)).join().unwrap();
     drop(second);
     support::wait_until_available(&observer, 2).await;
+}
+
+/// What the limit's tasks hold between acquiring and dropping, and the most ever at once.
+#[derive(Clone, Default)]
+struct Tally {
+    now: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    most: std::sync::Arc<std::sync::atomic::AtomicI64>,
+}
+
+impl Tally {
+    async fn hold(&self, permit: tower_distributed_limit::Permit, for_: Duration) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.now.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(now, SeqCst);
+        tokio::time::sleep(for_).await;
+        self.now.fetch_sub(1, SeqCst);
+        drop(permit);
+    }
+}
+
+/// 500 waiters in one process (and its twin, which prefetches) on a limit of 3, each giving
+/// up at random: by its 40 ms acquire timeout, or cancelled mid-wait. Never more than 3 held,
+/// no error but timeouts, and once they stop nothing is held or waiting and every slot can
+/// be taken at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_waiters_giving_up_at_random_leak_nothing() {
+    let redis = Redis::start().await;
+    let build = |backend, prefetch| {
+        Semaphore::builder("give-up")
+            .limit(3)
+            .lease(Duration::from_secs(2))
+            .acquire_timeout(Duration::from_millis(40))
+            .prefetch(prefetch)
+            .build(backend)
+            .unwrap()
+    };
+    let ours = build(redis.backend().await, 0);
+    let twin = build(redis.backend().await, 2);
+    let tally = Tally::default();
+    let until = Instant::now() + Duration::from_secs(4);
+    let tasks: Vec<_> = (0..500u64)
+        .map(|i| {
+            let sem = if i % 2 == 0 {
+                ours.clone()
+            } else {
+                twin.clone()
+            };
+            let tally = tally.clone();
+            tokio::spawn(async move {
+                let mut rng = fastrand::Rng::with_seed(i);
+                let mut held = 0;
+                while Instant::now() < until {
+                    let outcome = if rng.bool() {
+                        let cancel = Duration::from_millis(rng.u64(0..30));
+                        match tokio::time::timeout(cancel, sem.acquire()).await {
+                            Ok(outcome) => outcome,
+                            Err(_) => continue,
+                        }
+                    } else {
+                        sem.acquire().await
+                    };
+                    match outcome {
+                        Ok(permit) => {
+                            let hold = Duration::from_micros(rng.u64(100..3000));
+                            tally.hold(permit, hold).await;
+                            held += 1;
+                        }
+                        Err(Error::Timeout { .. }) => {}
+                        Err(e) => panic!("not a timeout: {e}"),
+                    }
+                }
+                held
+            })
+        })
+        .collect();
+    let mut held = 0;
+    for task in tasks {
+        held += task.await.unwrap();
+    }
+    assert!(held > 0, "nobody held at all");
+    let most = tally.most.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(most <= 3, "{most} held at once on a limit of 3");
+    // Only the twin's prefetched slots may stay, and they are free to take.
+    eventually(
+        Duration::from_secs(5),
+        "nothing held, nobody waits",
+        || async {
+            let snapshot = ours.snapshot().await.unwrap();
+            let pooled = snapshot.holders.iter().filter(|h| h.prefetched).count();
+            snapshot.waiting == 0 && snapshot.used as usize == pooled
+        },
+    )
+    .await;
+    let permits = futures_util::future::join_all((0..3).map(|_| twin.acquire())).await;
+    assert!(permits.iter().all(Result::is_ok), "{permits:?}");
 }
 
 /// `holders` evicted or deleted while `meta` survives: the semaphore must not go on counting

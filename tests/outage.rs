@@ -163,6 +163,148 @@ async fn a_paused_redis_costs_one_timeout_then_refusals_at_once() {
     .await;
 }
 
+/// Slots given back while Redis is paused are free once it answers again, not when their
+/// leases end: a permit dropped then (its release cannot be sent), and an acquire whose call
+/// timed out but ran when Redis woke up (it granted a slot to nobody).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_given_back_during_a_pause_are_free_once_redis_answers() {
+    let redis = Redis::start().await;
+    let lease = Duration::from_secs(30);
+    let build = |backend| {
+        Semaphore::builder("owed")
+            .limit(2)
+            .lease(lease)
+            .acquire_timeout(Duration::from_millis(500))
+            .build(backend)
+            .unwrap()
+    };
+    let ours = build(quick(&redis.url).connect().await.unwrap());
+    let other = build(quick(&redis.url).connect().await.unwrap());
+    let held = ours.acquire().await.unwrap();
+    signal(redis.pid(), "STOP");
+    // Sent, never answered: Redis grants it when it wakes up.
+    assert!(matches!(ours.acquire().await, Err(Error::Backend(_))));
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(redis.pid(), "CONT");
+
+    let started = Instant::now();
+    let mut permits = Vec::new();
+    while permits.len() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the slots given back in the pause are still held ({} free)",
+            permits.len()
+        );
+        match other.acquire().await {
+            Ok(permit) => permits.push(permit),
+            Err(Error::Timeout { .. }) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let snapshot = other.snapshot().await.unwrap();
+    assert_eq!(snapshot.used, 2, "{:?}", snapshot.holders);
+    let theirs: Vec<&str> = permits.iter().map(|permit| permit.id()).collect();
+    assert!(
+        snapshot
+            .holders
+            .iter()
+            .all(|h| theirs.contains(&h.id.as_str())),
+        "{:?}",
+        snapshot.holders
+    );
+}
+
+/// 200 tasks on two backends (one prefetching) through a FLUSHALL, a 700 ms pause and an
+/// empty restart: holds go on after each, and once the tasks stop nothing is held or waiting
+/// and every slot can be taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_come_through_a_flush_a_pause_and_an_empty_restart() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let mut redis = Redis::start().await;
+    let build = |backend, prefetch| {
+        Semaphore::builder("through")
+            .limit(4)
+            .lease(Duration::from_secs(1))
+            .acquire_timeout(Duration::from_millis(300))
+            .prefetch(prefetch)
+            .build(backend)
+            .unwrap()
+    };
+    let ours = build(quick(&redis.url).connect().await.unwrap(), 0);
+    let twin = build(quick(&redis.url).connect().await.unwrap(), 2);
+    let (holds, stop) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let sem = if i % 2 == 0 {
+                ours.clone()
+            } else {
+                twin.clone()
+            };
+            let (holds, stop) = (holds.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    match sem.acquire().await {
+                        Ok(permit) => {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            drop(permit);
+                            holds.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(Error::Timeout { .. }) => {}
+                        Err(Error::Backend(_)) => {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    let holding = || {
+        let from = holds.load(Ordering::Relaxed);
+        let holds = holds.clone();
+        async move {
+            eventually(Duration::from_secs(5), "holds go on", || async {
+                holds.load(Ordering::Relaxed) > from + 20
+            })
+            .await;
+        }
+    };
+    holding().await;
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    holding().await;
+    signal(redis.pid(), "STOP");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    signal(redis.pid(), "CONT");
+    holding().await;
+    redis.kill();
+    redis.restart().await;
+    holding().await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    eventually(
+        Duration::from_secs(5),
+        "nothing held, nobody waits",
+        || async {
+            let Ok(snapshot) = ours.snapshot().await else {
+                return false;
+            };
+            let pooled = snapshot.holders.iter().filter(|h| h.prefetched).count();
+            snapshot.waiting == 0 && snapshot.used as usize == pooled
+        },
+    )
+    .await;
+    let permits = futures_util::future::join_all((0..4).map(|_| twin.acquire())).await;
+    assert!(permits.iter().all(Result::is_ok), "{permits:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lazy_backend_starts_without_redis_and_serves_once_it_is_up() {
     let mut redis = Redis::start().await;

@@ -51,6 +51,10 @@ const NAME_EVERY: Duration = Duration::from_secs(30);
 /// The most members one call renews or refreshes, so a long list never blocks Redis for long.
 const BATCH: usize = 1000;
 
+/// The most releases kept for a server that cannot be reached (the oldest go first): a
+/// process's waiters are bounded the same way (`max_waiters`).
+const OWED: usize = 10_000;
+
 impl Open for RedisBackend {
     fn open(
         &self,
@@ -121,6 +125,13 @@ struct Outbox {
     unanswered: Vec<Arc<str>>,
     /// A flush task is spawned and has not started yet: later releases wait for it.
     flush_pending: bool,
+    /// Releases whose call failed because the server could not be reached: every later call
+    /// carries them, and a task sends them once the server answers again, until their leases
+    /// would have ended anyway (at most [`OWED`]). Without this, a slot given back during an
+    /// outage stays taken for a whole lease after it.
+    owed: Vec<Owed>,
+    /// A task waits for the server to answer again, to send `owed`.
+    owed_pending: bool,
     /// An acquire call is in flight; whoever sent it passes the queued acquires on when it is
     /// answered (see [`Sending`]).
     sending: bool,
@@ -134,6 +145,13 @@ struct Named {
     told: Duration,
     epoch: u64,
     last_call: Duration,
+}
+
+/// A release that could not be sent, kept until `until` (its member's lease from when its call
+/// failed: the longest it may still hold).
+struct Owed {
+    member: Arc<str>,
+    until: Instant,
 }
 
 /// An acquire waiting for the call in flight.
@@ -296,11 +314,11 @@ impl RedisSemaphore {
                     .arg(self.claim.as_millis() as u64)
                     .arg(promoted.map_or(0, |(_, fence)| fence.as_millis() as u64))
                     .arg(caller)
-                    .arg(carried.members.len() + echoed.len() + usize::from(releasing.is_some()));
+                    .arg(carried.len() + echoed.len() + usize::from(releasing.is_some()));
                 if let Some(member) = releasing {
                     command.arg(member);
                 }
-                for member in carried.members.iter().chain(&echoed) {
+                for member in carried.members().chain(&echoed) {
                     command.arg(&**member);
                 }
                 args(command, repeat);
@@ -323,9 +341,14 @@ impl RedisSemaphore {
             _ => Ok(reply),
         });
         if let Err(e) = &result
-            && !carried.members.is_empty()
+            && carried.len() > 0
         {
-            tracing::warn!(error = %e, count = carried.members.len(), "releases failed: those slots free when their leases end");
+            if self.shared.health.is_up() {
+                tracing::warn!(error = %e, count = carried.len(), "releases failed: those slots free when their leases end");
+            } else {
+                // Unreachable: sent again once it answers (releasing twice is harmless).
+                carried.owe();
+            }
         }
         result
     }
@@ -335,36 +358,37 @@ impl RedisSemaphore {
     /// (echoed).
     fn releases_for(&self, op: &str) -> (Carried<'_>, Vec<Arc<str>>) {
         let echo = self.shared.cluster;
+        let mut outbox = self.outbox();
+        let acquire = op == "acquire";
         // While an acquire call is in flight, only the acquire calls carry releases: a release
         // must never reach the server before its member's acquire, and the acquire calls go
         // one after another (a member still queued is taken out of the queue instead of
         // released; see `release_later`).
-        let mut outbox = self.outbox();
-        let acquire = op == "acquire";
-        let (members, echoed) = if acquire {
-            let echoed = if echo {
-                outbox.unanswered.clone()
-            } else {
-                Vec::new()
-            };
-            (std::mem::take(&mut outbox.releases), echoed)
-        } else if !outbox.sending {
-            let members = std::mem::take(&mut outbox.releases);
-            if echo {
-                // Samples are not releases: counted twice, they would weigh double.
-                let releases = members.iter().filter(|member| !member.ends_with(':'));
-                outbox.unanswered.extend(releases.cloned());
-            }
-            (members, Vec::new())
+        let (members, owed) = if acquire || !outbox.sending {
+            let now = Instant::now();
+            let mut owed = std::mem::take(&mut outbox.owed);
+            owed.retain(|owed| owed.until > now);
+            (std::mem::take(&mut outbox.releases), owed)
         } else {
             (Vec::new(), Vec::new())
+        };
+        let echoed = if echo && acquire {
+            outbox.unanswered.clone()
+        } else {
+            Vec::new()
         };
         let carried = Carried {
             semaphore: self,
             members,
+            owed,
             unanswered: echo && !acquire,
             settled: false,
         };
+        if carried.unanswered {
+            // Samples are not releases: counted twice, they would weigh double.
+            let releases = carried.members().filter(|member| !member.ends_with(':'));
+            outbox.unanswered.extend(releases.cloned());
+        }
         (carried, echoed)
     }
 
@@ -472,7 +496,7 @@ impl RedisSemaphore {
     async fn flush(&self) {
         {
             let outbox = self.outbox();
-            if outbox.releases.is_empty() || outbox.sending {
+            if (outbox.releases.is_empty() && outbox.owed.is_empty()) || outbox.sending {
                 return;
             }
         }
@@ -485,27 +509,70 @@ impl RedisSemaphore {
 
     /// Makes sure a flush task will send the waiting releases, unless one is already due to.
     fn schedule_flush(&self) {
-        let Some(me) = self.me.upgrade() else { return };
-        if std::mem::replace(&mut me.outbox().flush_pending, true) {
-            return;
+        let spawned = self.spawn_once(
+            |outbox| &mut outbox.flush_pending,
+            |mut pending| async move { pending.start().flush().await },
+        );
+        if !spawned {
+            tracing::warn!(
+                "permit dropped outside a tokio runtime: it is released with the semaphore's \
+                 next call, or frees when its lease ends"
+            );
         }
-        // The flag goes down when the task starts, or when it is dropped unstarted (its
-        // runtime shut down), so a lost task never stops later releases from being sent.
-        let pending = FlushPending(me);
+    }
+
+    /// Makes sure a task sends the owed releases once the server answers again (the probe's
+    /// reconnection), or forgets them when the last of their leases would have ended anyway.
+    /// Without a runtime, the semaphore's next call carries them.
+    fn flush_once_answered(&self) {
+        // (Subscribed first: a reconnection from here on is seen.)
+        let mut ticks = self.shared.reconnects.subscribe();
+        self.spawn_once(
+            |outbox| &mut outbox.owed_pending,
+            |mut pending| async move {
+                let semaphore = &pending.semaphore;
+                let until = semaphore.outbox().owed.iter().map(|owed| owed.until).max();
+                if let Some(until) = until
+                    && !semaphore.shared.health.is_up()
+                {
+                    tokio::select! {
+                        _ = ticks.changed() => {}
+                        _ = tokio::time::sleep_until(until) => {}
+                    }
+                }
+                pending.start().flush().await;
+            },
+        );
+    }
+
+    /// Spawns `task` on the current runtime unless the outbox's `flag` says one is pending;
+    /// the flag goes down when the task lowers it or is dropped, so a task lost with its
+    /// runtime never stops a later one. Whether one is pending now.
+    fn spawn_once<F>(
+        &self,
+        flag: fn(&mut Outbox) -> &mut bool,
+        task: impl FnOnce(Pending) -> F,
+    ) -> bool
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let Some(semaphore) = self.me.upgrade() else {
+            return true;
+        };
+        if std::mem::replace(flag(&mut semaphore.outbox()), true) {
+            return true;
+        }
+        let pending = Pending {
+            semaphore,
+            flag,
+            started: false,
+        };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(async move {
-                    pending.0.outbox().flush_pending = false;
-                    pending.0.flush().await;
-                });
+                runtime.spawn(task(pending));
+                true
             }
-            Err(_) => {
-                drop(pending);
-                tracing::warn!(
-                    "permit dropped outside a tokio runtime: it is released with the semaphore's \
-                     next call, or frees when its lease ends"
-                );
-            }
+            Err(_) => false,
         }
     }
 
@@ -604,7 +671,7 @@ impl RedisSemaphore {
             None => {
                 outbox.sending = false;
                 outbox.acquires.clear();
-                let releases = !outbox.releases.is_empty();
+                let releases = !outbox.releases.is_empty() || !outbox.owed.is_empty();
                 drop(outbox);
                 if releases {
                     self.schedule_flush();
@@ -737,12 +804,28 @@ fn next_call(acquires: &mut Vec<Queued>) -> Vec<Queued> {
     acquires.drain(..take).collect()
 }
 
-/// Lowers the flush flag when dropped.
-struct FlushPending(Arc<RedisSemaphore>);
+/// A task spawned by [`RedisSemaphore::spawn_once`]: lowers its flag when it starts its work,
+/// or when dropped before that.
+struct Pending {
+    semaphore: Arc<RedisSemaphore>,
+    flag: fn(&mut Outbox) -> &mut bool,
+    started: bool,
+}
 
-impl Drop for FlushPending {
+impl Pending {
+    /// The task starts its work: a later one may be spawned from now on.
+    fn start(&mut self) -> &RedisSemaphore {
+        self.started = true;
+        *(self.flag)(&mut self.semaphore.outbox()) = false;
+        &self.semaphore
+    }
+}
+
+impl Drop for Pending {
     fn drop(&mut self) {
-        self.0.outbox().flush_pending = false;
+        if !self.started {
+            *(self.flag)(&mut self.semaphore.outbox()) = false;
+        }
     }
 }
 
@@ -770,17 +853,31 @@ impl<S: std::ops::Deref<Target = RedisSemaphore>> Drop for Sending<S> {
 }
 
 /// Releases carried by a call. If the call is cancelled before it is answered they go back to
-/// be sent again (releasing twice is harmless); if it fails they are dropped with a warning,
-/// so a Redis outage cannot turn into a loop of retries.
+/// be sent again (releasing twice is harmless). If it fails because the server cannot be
+/// reached they are owed (see `Outbox::owed`): sent with later calls and once the server
+/// answers again, never retried on their own while it is down; any other failure drops them
+/// with a warning.
 struct Carried<'a> {
     semaphore: &'a RedisSemaphore,
     members: Vec<Arc<str>>,
+    /// Owed by earlier calls that failed.
+    owed: Vec<Owed>,
     /// The members are in the outbox's `unanswered` until this call is answered or dropped.
     unanswered: bool,
     settled: bool,
 }
 
 impl Carried<'_> {
+    fn len(&self) -> usize {
+        self.members.len() + self.owed.len()
+    }
+
+    fn members(&self) -> impl Iterator<Item = &Arc<str>> {
+        self.members
+            .iter()
+            .chain(self.owed.iter().map(|owed| &owed.member))
+    }
+
     /// The call was answered (or failed): its members leave `unanswered`.
     fn settle(&mut self) {
         self.settled = true;
@@ -788,23 +885,60 @@ impl Carried<'_> {
     }
 
     fn forget(&self) {
-        if self.unanswered && !self.members.is_empty() {
-            let members = &self.members;
+        if self.unanswered && self.len() > 0 {
             (self.semaphore.outbox().unanswered)
-                .retain(|m| !members.iter().any(|c| Arc::ptr_eq(c, m)));
+                .retain(|m| !self.members().any(|c| Arc::ptr_eq(c, m)));
         }
+    }
+
+    /// The call failed, the server unreachable: each member is owed for as long as its lease
+    /// (a sample, which has none, is dropped), and a task sends them once the server answers.
+    fn owe(&mut self) {
+        let now = Instant::now();
+        let mut outbox = self.semaphore.outbox();
+        let owed = &mut outbox.owed;
+        owed.retain(|owed| owed.until > now);
+        owed.extend(self.owed.drain(..).filter(|owed| owed.until > now));
+        owed.extend(self.members.drain(..).filter_map(|member| {
+            let lease = lease_of(&member)?;
+            Some(Owed {
+                member,
+                until: now + lease,
+            })
+        }));
+        let excess = owed.len().saturating_sub(OWED);
+        if excess > 0 {
+            owed.drain(..excess);
+            tracing::warn!(
+                dropped = excess,
+                "more releases wait for Redis than are kept: the oldest free when their \
+                 leases end"
+            );
+        }
+        drop(outbox);
+        self.semaphore.flush_once_answered();
     }
 }
 
 impl Drop for Carried<'_> {
     fn drop(&mut self) {
-        if self.settled || self.members.is_empty() {
+        if self.settled || self.len() == 0 {
             return;
         }
         self.forget();
-        self.semaphore.outbox().releases.append(&mut self.members);
+        let mut outbox = self.semaphore.outbox();
+        outbox.releases.append(&mut self.members);
+        outbox.owed.append(&mut self.owed);
+        drop(outbox);
         self.semaphore.schedule_flush();
     }
+}
+
+/// The lease a member's text ends with (`...:<lease ms>`), after any marks a release puts
+/// before it; none for a sample (`@<µs>*<n>:`).
+fn lease_of(text: &str) -> Option<Duration> {
+    let (_, lease) = text.rsplit_once(':')?;
+    lease.parse().ok().map(Duration::from_millis)
 }
 
 /// The word the script takes for each mode.
@@ -1281,16 +1415,35 @@ mod tests {
         drop(Carried {
             semaphore: &semaphore,
             members: vec![member.text.clone()],
+            owed: Vec::new(),
             unanswered: false,
             settled: false,
         });
         {
             let outbox = semaphore.outbox();
-            assert_eq!(outbox.releases, [member.text]);
+            assert_eq!(outbox.releases, std::slice::from_ref(&member.text));
             assert!(outbox.flush_pending);
         }
-        // Sent again once; that call fails, and a failed call's releases are not retried.
-        settle(|| semaphore.outbox().releases.is_empty()).await;
+        // Sent again once; that call fails (the server cannot be reached), so the release is
+        // owed: kept for the server's return, not retried meanwhile.
+        settle(|| semaphore.outbox().owed_pending).await;
+        let outbox = semaphore.outbox();
+        assert!(outbox.releases.is_empty() && !outbox.flush_pending);
+        let owed: Vec<_> = outbox.owed.iter().map(|owed| &owed.member).collect();
+        assert_eq!(owed, [&member.text]);
+        let until = outbox.owed[0].until;
+        assert!(until > Instant::now() && until <= Instant::now() + LEASE);
+    }
+
+    #[test]
+    fn an_owed_release_is_kept_for_its_lease_and_a_sample_not_at_all() {
+        assert_eq!(lease_of("ab12:3:30000"), Some(Duration::from_secs(30)));
+        assert_eq!(
+            lease_of("!@1500:ab12:c2:p:1:2000"),
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(lease_of("@1500*3:"), None);
+        assert_eq!(lease_of("no-lease"), None);
     }
 
     #[tokio::test]
