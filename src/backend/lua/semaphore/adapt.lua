@@ -3,12 +3,6 @@
 -- explicit releases are samples: a holder whose lease ran out (a crash) says nothing of the
 -- downstream's latency. A pinned limit (set_limit) does not adapt.
 
-local WINDOW_MS, MIN_SAMPLES = 100, 10
-local SMOOTHING, TOLERANCE, DRIFT, BACKOFF = 0.5, 1.05, 0.001, 0.9
--- The probe: every PROBE_EVERY ms the limit is lowered to PROBE_SHARE of itself for
--- PROBE_WINDOWS windows (the first not measured), and the lowest of their means is the no-load
--- latency again, raised by at most PROBE_RAISE at a time.
-local PROBE_EVERY, PROBE_SHARE, PROBE_WINDOWS, PROBE_RAISE = 10000, 0.5, 3, 1.25
 -- The state, read from meta at the first sample of the call and written back with meta.
 local gradient = nil
 
@@ -18,6 +12,14 @@ local function sample(held_ms, in_flight, overloaded, n)
   if not adaptive or pinned then
     return
   end
+  -- (Locals here, not above: a constant captured by a function costs each call of the script
+  -- an upvalue, a few hundred instructions, adaptive or not.)
+  local WINDOW_MS, MIN_SAMPLES = 100, 10
+  local SMOOTHING, TOLERANCE, DRIFT, BACKOFF = 0.5, 1.05, 0.001, 0.9
+  -- The probe: every PROBE_EVERY ms the limit is lowered to PROBE_SHARE of itself for
+  -- PROBE_WINDOWS windows (the first not measured), and the lowest of their means is the
+  -- no-load latency again, raised by at most PROBE_RAISE at a time.
+  local PROBE_EVERY, PROBE_SHARE, PROBE_WINDOWS, PROBE_RAISE = 10000, 0.5, 3, 1.25
   local g = gradient
   if not g then
     local low, high = string.match(adaptive, '^(%d+)/(%d+)$')

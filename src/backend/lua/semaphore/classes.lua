@@ -12,7 +12,6 @@
 -- arrival, strictly increasing (`arrived`; below 2^48 for centuries: a floor of 1/16 ms since
 -- 2026 keeps it above every arrival before the counter was lost).
 local RANK = 281474976710656
-local EPOCH_MS = 1767225600000
 local function level_of(member)
   return facts_of(member)[3]
 end
@@ -24,6 +23,7 @@ if arrived >= RANK then
   arrived = 0
 end
 local function next_arrival()
+  local EPOCH_MS = 1767225600000
   arrived = math.max((now - EPOCH_MS) * 16, arrived + 1)
   return arrived
 end
