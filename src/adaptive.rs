@@ -41,7 +41,7 @@ const DRIFT: f64 = 0.001;
 /// The multiplicative decrease on a window with an overloaded hold.
 const BACKOFF: f64 = 0.9;
 /// How often the no-load latency is measured again, with the limit lowered ([`Probe`]).
-pub(crate) const PROBE_EVERY: u64 = 10_000;
+pub(crate) const PROBE_EVERY: u64 = 30_000;
 /// The limit while probing, as a share of the limit before.
 const PROBE_SHARE: f64 = 0.5;
 /// Windows a probe lasts; the first (holds admitted before it) is not measured.
@@ -326,7 +326,7 @@ mod tests {
         );
     }
 
-    /// A probe lowers the limit to half for three windows, every 10 s, then puts it back.
+    /// A probe lowers the limit to half for three windows, every 30 s, then puts it back.
     #[test]
     fn a_probe_halves_the_limit_for_three_windows() {
         let mut g = Gradient::new(AdaptiveLimit::new().initial(40).min(2).max(500));

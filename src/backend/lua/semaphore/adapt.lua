@@ -19,7 +19,7 @@ local function sample(held_ms, in_flight, overloaded, n)
   -- The probe: every PROBE_EVERY ms the limit is lowered to PROBE_SHARE of itself for
   -- PROBE_WINDOWS windows (the first not measured), and the lowest of their means is the
   -- no-load latency again, raised by at most PROBE_RAISE at a time.
-  local PROBE_EVERY, PROBE_SHARE, PROBE_WINDOWS, PROBE_RAISE = 10000, 0.5, 3, 1.25
+  local PROBE_EVERY, PROBE_SHARE, PROBE_WINDOWS, PROBE_RAISE = 30000, 0.5, 3, 1.25
   local g = gradient
   if not g then
     local low, high = string.match(adaptive, '^(%d+)/(%d+)$')
