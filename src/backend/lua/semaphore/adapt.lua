@@ -13,7 +13,7 @@ local function sample(held_ms, in_flight, overloaded, n)
     return
   end
   -- (Locals here, not above: a constant captured by a function costs each call of the script
-  -- an upvalue, a few hundred instructions, adaptive or not.)
+  -- an upvalue, about a thousand instructions, adaptive or not.)
   local WINDOW_MS, MIN_SAMPLES = 100, 10
   local SMOOTHING, TOLERANCE, DRIFT, BACKOFF = 0.5, 1.05, 0.001, 0.9
   -- The probe: every PROBE_EVERY ms the limit is lowered to PROBE_SHARE of itself for
