@@ -529,27 +529,25 @@ async fn a_missing_password_says_where_the_password_goes() {
     assert!(!sem.acquire().await.unwrap().is_degraded());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_user_without_eval_rights_is_told_which_commands_to_allow() {
-    let server = RedisProcess::start(|port, _| {
-        vec![
-            "--port".into(),
-            port.to_string(),
-            "--user".into(),
-            "app".into(),
-            "on".into(),
-            ">pw".into(),
-            "~*".into(),
-            "&*".into(),
-            "+@all".into(),
-            "-eval".into(),
-            "-evalsha".into(),
-        ]
+/// A redis-server whose user `app` (password `pw`) has exactly `rules` (ACL SETUSER's, key and
+/// channel patterns included, separated by spaces), and the URL that logs in as `app`.
+async fn with_user(rules: &str) -> (RedisProcess, String) {
+    let rules: Vec<String> = rules.split_whitespace().map(String::from).collect();
+    let server = RedisProcess::start(move |port, _| {
+        let mut args = vec!["--port".into(), port.to_string()];
+        args.extend(["--user", "app", "on", ">pw"].map(String::from));
+        args.extend(rules);
+        args
     })
     .await;
-    let backend = RedisBackend::connect(&format!("redis://app:pw@127.0.0.1:{}", server.port))
-        .await
-        .unwrap();
+    let url = format!("redis://app:pw@127.0.0.1:{}", server.port);
+    (server, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_eval_rights_is_told_which_commands_to_allow() {
+    let (_server, url) = with_user("~* &* +@all -eval -evalsha").await;
+    let backend = RedisBackend::connect(&url).await.unwrap();
     let sem = semaphore("acl", OutagePolicy::FailClosed, backend);
     let Err(e) = sem.acquire().await else {
         panic!("acquired without EVAL");
@@ -559,27 +557,12 @@ async fn a_user_without_eval_rights_is_told_which_commands_to_allow() {
     assert!(text.contains("NOPERM"), "{text}");
 }
 
-/// A redis-server whose user `app` (password `pw`) has exactly `rules` (ACL SETUSER's, key and
-/// channel patterns included, separated by spaces).
-async fn with_user(rules: &str) -> RedisProcess {
-    let rules: Vec<String> = rules.split_whitespace().map(String::from).collect();
-    RedisProcess::start(move |port, _| {
-        let mut args = vec!["--port".into(), port.to_string()];
-        args.extend(["--user", "app", "on", ">pw"].map(String::from));
-        args.extend(rules);
-        args
-    })
-    .await
-}
-
 /// Redis names neither the command nor the key it refuses inside a script; the error names
 /// every command the scripts run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_refused_inside_the_script_is_named_among_those_to_allow() {
-    let server = with_user("~* &* +@all -zadd").await;
-    let backend = RedisBackend::connect(&format!("redis://app:pw@127.0.0.1:{}", server.port))
-        .await
-        .unwrap();
+    let (_server, url) = with_user("~* &* +@all -zadd").await;
+    let backend = RedisBackend::connect(&url).await.unwrap();
     let sem = semaphore("acl-inside", OutagePolicy::FailClosed, backend);
     let Err(e) = sem.acquire().await else {
         panic!("acquired without ZADD");
@@ -597,13 +580,12 @@ async fn a_command_refused_inside_the_script_is_named_among_those_to_allow() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_with_only_the_named_commands_gets_everything() {
     // (docs/operations.md's rules, for the default key prefix.)
-    let server = with_user(
+    let (_server, url) = with_user(
         "~dlimit:* &dlimit:* +eval +evalsha +subscribe +unsubscribe +ping +publish +time +info \
          +zadd +zrem +zrange +zrangebyscore +zrangebylex +zremrangebyscore +zcard +zcount +zscore \
          +zscan +hget +hmget +hset +hdel +hscan +get +set +del +exists +pexpireat +persist",
     )
     .await;
-    let url = format!("redis://app:pw@127.0.0.1:{}", server.port);
     let build = |backend| {
         Semaphore::builder("acl-least")
             .limit(1)
