@@ -365,9 +365,12 @@ impl RedisSemaphore {
         // one after another (a member still queued is taken out of the queue instead of
         // released; see `release_later`).
         let (members, owed) = if acquire || !outbox.sending {
-            let now = Instant::now();
             let mut owed = std::mem::take(&mut outbox.owed);
-            owed.retain(|owed| owed.until > now);
+            if !owed.is_empty() {
+                // (The clock only when something is owed: most calls owe nothing.)
+                let now = Instant::now();
+                owed.retain(|owed| owed.until > now);
+            }
             (std::mem::take(&mut outbox.releases), owed)
         } else {
             (Vec::new(), Vec::new())
@@ -546,8 +549,9 @@ impl RedisSemaphore {
     }
 
     /// Spawns `task` on the current runtime unless the outbox's `flag` says one is pending;
-    /// the flag goes down when the task lowers it or is dropped, so a task lost with its
-    /// runtime never stops a later one. Whether one is pending now.
+    /// the flag goes down when the task starts or is dropped, so a task lost with its runtime
+    /// never stops a later one. False only when there is no runtime to spawn on (a semaphore
+    /// going away needs no task, and counts as one pending).
     fn spawn_once<F>(
         &self,
         flag: fn(&mut Outbox) -> &mut bool,
