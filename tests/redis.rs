@@ -851,3 +851,54 @@ async fn a_user_without_object_rights_loses_only_the_conversion() {
         .unwrap();
     fills_and_empties_compact(&sem, &mut conn, "acl-object").await;
 }
+
+/// A process of an earlier version shares the semaphore through a rolling upgrade: it keeps
+/// its counters in fields of their own (`used`, `count`, `fence`, ...) where this one keeps
+/// one `state`. Each version's write makes the other rebuild its counters from the holders, so
+/// the limit holds, and tokens stay above every one the old process gave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_of_the_earlier_version_cannot_push_past_the_limit() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("rolling")
+        .limit(3)
+        .lease(Duration::from_secs(60))
+        .build(redis.backend().await)
+        .unwrap();
+    let held = [sem.acquire().await.unwrap(), sem.acquire().await.unwrap()];
+    // The old process grants the third slot its way: a holder, and its counters.
+    let mut conn = redis.conn().await;
+    let (secs, _): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let old_token: i64 = 4_000_000_000_000_000;
+    let _: () = redis::pipe()
+        .cmd("ZADD")
+        .arg("dlimit:{rolling}:holders")
+        .arg(secs * 1000 + 60_000)
+        .arg("0123456789abcdef0123456789abcdef:1:60000")
+        .cmd("HSET")
+        .arg("dlimit:{rolling}:meta")
+        .arg(&["used", "3", "count", "3", "fence", &old_token.to_string()])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        sem.try_acquire().await.unwrap().is_none(),
+        "a fourth holder under a limit of 3"
+    );
+    let fields: Vec<String> = redis::cmd("HKEYS")
+        .arg("dlimit:{rolling}:meta")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        !fields.iter().any(|f| f == "used" || f == "count"),
+        "the old counters stay: {fields:?}"
+    );
+    drop(held);
+    let next = sem.acquire().await.unwrap();
+    assert!(next.fencing_token() > old_token as u64, "a token below the old process's");
+    // The two given back, the old process's holder and the new one.
+    eventually(Duration::from_secs(5), "the releases", || async {
+        sem.snapshot().await.unwrap().used == 2
+    })
+    .await;
+}

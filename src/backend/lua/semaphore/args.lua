@@ -5,19 +5,21 @@
 --
 -- KEYS[1] holders: zset, member -> lease deadline (ms); a provisional grant not claimed yet
 --                  has its deadline + 0.5 (a score's fraction marks it at no extra command)
--- KEYS[2] meta:    hash, `used` = weight of the live holders, `count` = how many they are,
---                  `fence` = last fencing token, `horizon` = when holders and meta expire (ms),
---                  `limit` = the limit every process admits by, `pinned` = 1 when an operator set
---                  it (then meta never expires); otherwise the first process's configured limit,
---                  which goes with the other keys when the semaphore falls idle; `line` = when
---                  queue and alive expire (ms), `arrived` = the last arrival score given
---                  (µs), so arrivals in one call or one microsecond keep their order;
+-- KEYS[2] meta:    hash, `state` = the counters as nine doubles (struct.pack '<d' x 9): the
+--                  weight of the live holders (`used`), how many they are (`count`), the last
+--                  fencing token (`fence`), when holders and meta expire (`horizon`, ms), when
+--                  queue and alive expire (`line`, ms), the last arrival score given
+--                  (`arrived`, so arrivals in one call or one microsecond keep their order),
+--                  the server time of the latest call that wrote it (`seen`, ms), a time no
+--                  waiter's liveness deadline is before (`alive_at`, ms) and when the latest
+--                  process was marked silent (`silent_at`, ms), -1 for those not known;
+--                  `limit` = the limit every process admits by, `pinned` = 1 when an operator
+--                  set it (then meta never expires); otherwise the first process's configured
+--                  limit, which goes with the other keys when the semaphore falls idle;
 --                  `s:<process tag>`
 --                  = when a provisional grant of that process ran out unclaimed (ms): the
 --                  process is silent (frozen or dead), and its other waiters are passed over
---                  until it makes a call, and `silent_at` = when the latest was marked;
---                  `seen` = the server time of the latest call that set a deadline, and
---                  `alive_at` = a time no waiter's liveness deadline is before (both ms);
+--                  until it makes a call;
 --                  `adaptive` = "<min>/<max>" when the limit adapts
 --                  (set with the state by the process that creates it), and its state in
 --                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over`, and
@@ -128,8 +130,8 @@ local now_text = int(now)
 -- the compact one (a listpack, up to 128 members by default) scans its entries on every
 -- lookup, parsing a zset's scores on the way, where the others find a member by its hash. A
 -- member longer than 64 bytes converts a key for good (Redis does not convert back on
--- removal), so one goes in and out: meta when it is created, holders and since when four
--- hold, the line when its expiry is pushed while four wait.
+-- removal), so one goes in and out: holders and since when four hold, the line when its
+-- expiry is pushed while four wait. (Meta converts with its first write: `state` is 72 bytes.)
 local function widen(key, hash)
   local encoding = redis.pcall('OBJECT', 'ENCODING', key)
   if type(encoding) ~= 'string' or encoding == 'skiplist' or encoding == 'hashtable' then
@@ -213,40 +215,55 @@ local function left(deadline)
   return deadline * 1000 - now_us
 end
 
-local stored = redis.call('HMGET', meta, 'used', 'count', 'fence', 'horizon', 'limit', 'pinned',
-  'line', 'arrived', 's:' .. caller, 'adaptive', 'unpinned', 'classes', 'seen', 'alive_at',
-  'silent_at')
--- Each number read once (a `tonumber` of a string costs two parses): `stored` holds the
--- numbers as read, for the write-back to compare against (ops.lua).
-for _, i in ipairs({1, 2, 3, 4, 5, 7, 8, 11, 13, 14, 15}) do
-  stored[i] = tonumber(stored[i])
+-- The counters every call reads and most calls write are one field, `state`, nine doubles
+-- (struct.pack: read and written without a number's parse or formatting); the rest are
+-- fields of their own, written only when they change.
+local STATE = '<ddddddddd'
+local stored = redis.call('HMGET', meta, 'state', 'limit', 'pinned', 's:' .. caller, 'adaptive',
+  'unpinned', 'classes', 'used')
+local used, count, fence, horizon, line, arrived, seen, alive_at, silent_at
+if stored[1] and #stored[1] == 72 then
+  used, count, fence, horizon, line, arrived, seen, alive_at, silent_at =
+    struct.unpack(STATE, stored[1])
 end
-local used, count = stored[1], stored[2]
-local fence, horizon = stored[3] or 0, stored[4] or 0
-local line = stored[7] or 0
-local arrived = stored[8] or 0
+if stored[8] then
+  -- Fields of an earlier version's counters (`used`, `count`, ...): a process of that version
+  -- shares the semaphore. Its counters and this one's are rebuilt from the holders (sweep.lua)
+  -- each time the other wrote, so the limit holds through a rolling upgrade; the old fields go.
+  local token = tonumber(redis.call('HGET', meta, 'fence'))
+  redis.call('HDEL', meta, 'used', 'count', 'fence', 'horizon', 'line', 'arrived', 'seen',
+    'alive_at', 'silent_at')
+  used, fence = nil, math.max(fence or 0, token or 0)
+end
+-- What `state` said when this call began (ms): the write-back renews the keys' expiry when
+-- the horizon moved.
+local horizon_was = horizon
+fence, horizon, line, arrived = fence or 0, horizon or 0, line or 0, arrived or 0
+-- (-1 when not known.)
 -- The server time of the latest call that set a deadline (ms): each holder's deadline lies
 -- within its lease of it, so only a clock behind it can leave one further ahead (sweep.lua).
-local seen = stored[13]
+seen = seen ~= -1 and seen or nil
 -- No waiter's liveness deadline is before this (ms; nil when not known): waiters that stopped
 -- answering are looked for once it has passed (line.lua).
-local alive_at = stored[14]
+alive_at = alive_at ~= -1 and alive_at or nil
 -- When a process was last marked silent (ms): a patience later no mark is in force (sweep.lua).
-local silent_at = stored[15]
+silent_at = silent_at ~= -1 and silent_at or nil
+local stored_limit, stored_pinned = tonumber(stored[2]), stored[3]
 local changed = false
 -- The classes' shares in force (classes.lua), as stored with the limit.
-local stored_shares = stored[12] or nil
+local stored_shares = stored[7] or nil
 local shares = nil
 -- One limit for every process: the one stored with the semaphore, else this caller's, stored
 -- for the others to adopt.
-local pinned = stored[6] == '1'
+local pinned = stored_pinned == '1'
 -- Whether the limit adapts ("<min>/<max>"), decided with the limit by whoever stores it.
 -- (A missing field reads as false.)
-local adaptive = stored[10] or nil
+local adaptive = stored[5] or nil
 local configured = limit
-local unpinned = stored[11]
-if stored[5] then
-  limit = stored[5]
+local unpinned = tonumber(stored[6])
+local stored_unpinned = unpinned
+if stored_limit then
+  limit = stored_limit
 else
   changed = true
   adaptive = adapt_min and (adapt_min .. '/' .. adapt_max) or nil
@@ -254,7 +271,7 @@ end
 if op == 'set_limit' then
   -- The limit to return to: the one in force, unless it is a pin, or the caller's own (an
   -- operator's tool pinning a semaphore nobody uses has no limit of its own to give).
-  if not pinned and stored[5] then
+  if not pinned and stored_limit then
     unpinned = limit
   end
   limit = tonumber(ARGV[args])

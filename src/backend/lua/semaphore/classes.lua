@@ -30,7 +30,7 @@ end
 
 if stored_shares then
   shares = stored_shares
-elseif not stored[5] and caller_shares ~= '' then
+elseif not stored_limit and caller_shares ~= '' then
   shares = caller_shares
 end
 local reserved, at_most, in_class = {}, {}, {}

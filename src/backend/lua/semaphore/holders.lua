@@ -15,6 +15,7 @@ end
 -- token and deadline.
 local function grant(member, weight, lease, term, provisional)
   local deadline = now + math.min(term, lease)
+  due = math.min(due or deadline, deadline)
   redis.call('ZADD', holders, provisional and int(deadline) .. '.5' or int(deadline), member)
   redis.call('HSET', since, member, now_text)
   account(member, 1)

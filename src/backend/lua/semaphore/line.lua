@@ -179,13 +179,12 @@ end
 -- announcement, and only a call can give its slot on (a live process's release admits the
 -- next waiter before that anyway, so this costs a touch per claim window at most).
 local function retry_in()
-  local due = tonumber(redis.call('ZRANGE', holders, '0', '0', 'WITHSCORES')[2])
-  due = due and math.floor(due)
-  if fenced_until and (not due or fenced_until < due) then
-    due = fenced_until
+  local until_due = due
+  if fenced_until and (not until_due or fenced_until < until_due) then
+    until_due = fenced_until
   end
-  if due then
-    return math.max(due - now, 1)
+  if until_due then
+    return math.max(until_due - now, 1)
   end
   return patience
 end

@@ -146,53 +146,30 @@ if changed then
     -- the lost counter). Otherwise meta, with the limit in force, lives until the horizon.
     redis.call('DEL', meta)
   else
-    -- The fields that change on every grant and release, and the rest only when they did.
-    local fields = {'used', int(math.max(used, 0)), 'count', int(count), 'fence', int(fence),
-      'seen', now_text}
-    if horizon ~= stored[4] then
-      table.insert(fields, 'horizon')
-      table.insert(fields, int(horizon))
-    end
-    if line ~= (stored[7] or 0) then
-      table.insert(fields, 'line')
-      table.insert(fields, int(line))
-    end
-    if arrived ~= (stored[8] or 0) then
-      table.insert(fields, 'arrived')
-      table.insert(fields, int(arrived))
-    end
-    if alive_at and alive_at ~= stored[14] then
-      table.insert(fields, 'alive_at')
-      table.insert(fields, int(alive_at))
-    end
-    if silent_at and silent_at ~= stored[15] then
-      table.insert(fields, 'silent_at')
-      table.insert(fields, int(silent_at))
-    end
-    if adaptive and adaptive ~= stored[10] then
+    -- The counters in one field, the rest only when they changed.
+    local fields = {'state', struct.pack(STATE, math.max(used, 0), count, fence, horizon, line,
+      arrived, now, alive_at or -1, silent_at or -1)}
+    if adaptive and adaptive ~= stored[5] then
       table.insert(fields, 'adaptive')
       table.insert(fields, adaptive)
     end
     gradient_fields(fields)
     class_fields(fields)
-    if limit ~= stored[5] or (pinned and '1' or '0') ~= stored[6] then
+    if limit ~= stored_limit or (pinned and '1' or '0') ~= stored_pinned then
       table.insert(fields, 'limit')
       table.insert(fields, int(limit))
       table.insert(fields, 'pinned')
       table.insert(fields, pinned and '1' or '0')
     end
     redis.call('HSET', meta, unpack(fields))
-    if not stored[5] then
-      widen(meta, true)
-    end
-    if unpinned ~= stored[11] then
+    if unpinned ~= stored_unpinned then
       if unpinned then
         redis.call('HSET', meta, 'unpinned', int(unpinned))
       else
         redis.call('HDEL', meta, 'unpinned')
       end
     end
-    if horizon ~= stored[4] then
+    if horizon ~= horizon_was then
       redis.call('PEXPIREAT', since, int(horizon))
       if horizon > now then
         -- (Not to a horizon passed: a name told by this call stays its claim window.)
@@ -204,7 +181,7 @@ if changed then
     end
     if pinned then
       redis.call('PERSIST', meta)
-    elseif stored[6] == '1' then
+    elseif stored_pinned == '1' then
       -- Unpinned by this call: meta expires with the holders again.
       redis.call('PEXPIREAT', meta, int(horizon))
     end

@@ -1,16 +1,19 @@
 -- Part 4 of the semaphore script: expired holders out, the clamps for a clock stepped back,
 -- the silent processes, and the counters checked against the members they count.
 
--- Drop holders whose lease has passed (one read, empty on most calls: asking for the earliest
--- first would cost a score's formatting on every call).
-local expired = {}
+-- The earliest deadline, read once a call: holders whose lease has passed are dropped when it
+-- has, the counters are checked against it (below), and it is the waiters' retry hint
+-- (`retry_in`, line.lua).
+local earliest = redis.call('ZRANGE', holders, '0', '0', 'WITHSCORES')
+-- (Score with its fraction: a provisional grant whose deadline is now has passed too. Digits
+-- from the server: arithmetic reads them with one parse, `tonumber` takes two.)
+local first = earliest[2] and earliest[2] + 0
 -- Whose provisional grants (a score with a fraction) ran out unclaimed: the mark of each one's
 -- process.
-local silenced = {}
--- (Up to now.5: a provisional grant whose deadline is now has passed too.)
-local until_now = now_text .. '.5'
-local entries = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now, 'WITHSCORES')
-if #entries > 0 then
+local expired, silenced = {}, {}
+if first and first <= now + 0.5 then
+  local until_now = now_text .. '.5'
+  local entries = redis.call('ZRANGEBYSCORE', holders, '-inf', until_now, 'WITHSCORES')
   for i = 1, #entries, 2 do
     table.insert(expired, entries[i])
     if tonumber(entries[i + 1]) % 1 ~= 0 then
@@ -20,7 +23,13 @@ if #entries > 0 then
   redis.call('ZREMRANGEBYSCORE', holders, '-inf', until_now)
   redis.call('HDEL', since, unpack(expired))
   changed = true
+  earliest = redis.call('ZRANGE', holders, '0', '0', 'WITHSCORES')
+  first = earliest[2] and earliest[2] + 0
 end
+-- When the earliest lease ends (ms; nil when nothing is held): never later than the truth,
+-- since a grant of this call lowers it (holders.lua) and a release or renewal, which would
+-- raise it, leaves it be (a waiter told to retry early finds out and is told again).
+local due = first and math.floor(first)
 -- The server's clock stepped back: deadlines set before the step lie more than a lease ahead
 -- and would keep their slots a step too long. Each is clamped to now + its lease; so are the
 -- waiters' liveness deadlines, to now + patience. Every deadline was set by a call at `seen`
@@ -46,6 +55,8 @@ if (not seen or now < seen) and clamp(holders, function(member)
   local _, lease = parse(member)
   return lease
 end) then
+  -- (Deadlines moved earlier, the earliest perhaps among them.)
+  due = math.floor(tonumber(redis.call('ZRANGE', holders, '0', '0', 'WITHSCORES')[2]))
   changed = true
 end
 -- The line's expiry (`line`) lies at most 1.5 patience ahead unless the clock stepped back.
@@ -79,7 +90,7 @@ if #silenced > 0 then
   end
   silent_at = now
 end
-if stored[9] then
+if stored[4] then
   redis.call('HDEL', meta, 's:' .. caller)
 end
 -- The caller's name, told now and then (`RedisBackendBuilder::process_name`), for snapshots.
@@ -98,11 +109,12 @@ if used and count then
   count = count - #expired
 end
 -- The counter is never trusted over the members it counts: when `meta` or `holders` went
--- missing or changed behind our back (eviction, a stray DEL), the sum is rebuilt from the
--- members, and their keys get a TTL again.
-local card = redis.call('ZCARD', holders)
-if used == nil or count ~= card then
-  used, count = 0, card
+-- missing behind our back (eviction, a stray DEL, a TTL), the sum is rebuilt from the members,
+-- and their keys get a TTL again. (Whole keys go; the earliest read tells whether any holder
+-- is left.)
+if used == nil or (count > 0) ~= (earliest[1] ~= nil) then
+  local members = redis.call('ZRANGE', holders, 0, -1)
+  used, count = 0, #members
   for level = 0, 7 do
     in_class[level] = 0
   end
@@ -118,11 +130,11 @@ if used == nil or count ~= card then
       end
     until cursor == '0'
   end
-  for _, member in ipairs(redis.call('ZRANGE', holders, 0, -1)) do
+  for _, member in ipairs(members) do
     account(member, 1)
   end
   horizon = 0
-  if card > 0 then
+  if count > 0 then
     local latest = math.floor(tonumber(redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')[2]))
     horizon = latest + math.floor((latest - now) / 2) + 1
     redis.call('PEXPIREAT', holders, int(horizon))
