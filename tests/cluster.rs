@@ -99,9 +99,9 @@ impl Cluster {
         names.into_values().collect()
     }
 
-    /// How many times node `node` ran EVALSHA so far.
-    async fn evalsha_calls(&self, node: usize) -> u64 {
-        support::evalsha_calls_at(&self.urls[node]).await
+    /// How many script calls node `node` ran so far.
+    async fn script_calls(&self, node: usize) -> u64 {
+        support::script_calls_at(&self.urls[node]).await
     }
 }
 
@@ -133,14 +133,14 @@ async fn every_node_holds_its_semaphores_and_wakes_their_waiters() {
             waiter.try_acquire().await.unwrap().is_none(),
             "{name}: one limit"
         );
-        let calls = cluster.evalsha_calls(node).await;
+        let calls = cluster.script_calls(node).await;
         let waiting = tokio::spawn(async move {
             let permit = waiter.acquire().await;
             (permit, Instant::now())
         });
         // Waiting costs no round trips beyond the line's refresh (once a second).
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        let during = cluster.evalsha_calls(node).await - calls;
+        let during = cluster.script_calls(node).await - calls;
         assert!(
             during <= 4,
             "{name}: {during} script calls while one waiter waited 1.5 s"
@@ -489,7 +489,7 @@ async fn rate_limit_is_one_call_in_one_slot_and_two_across_nodes() {
             .rate(3, Duration::from_secs(3600))
             .build(backend.clone())
             .unwrap();
-        // Both scripts known to their nodes, so every call below is one EVALSHA.
+        // Both scripts known to their nodes, so every call below is one script call.
         assert!(rate.check().await.unwrap().allowed);
         drop(sem.try_acquire().await.unwrap());
         sem.available_permits().await.unwrap();
@@ -514,7 +514,7 @@ async fn rate_limit_is_one_call_in_one_slot_and_two_across_nodes() {
         let calls = || async {
             let mut total = 0;
             for node in 0..cluster.urls.len() {
-                total += cluster.evalsha_calls(node).await;
+                total += cluster.script_calls(node).await;
             }
             total
         };

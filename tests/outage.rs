@@ -546,7 +546,7 @@ async fn with_user(rules: &str) -> (RedisProcess, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_without_eval_rights_is_told_which_commands_to_allow() {
-    let (_server, url) = with_user("~* &* +@all -eval -evalsha").await;
+    let (_server, url) = with_user("~* &* +@all -eval -evalsha -fcall").await;
     let backend = RedisBackend::connect(&url).await.unwrap();
     let sem = semaphore("acl", OutagePolicy::FailClosed, backend);
     let Err(e) = sem.acquire().await else {
@@ -574,18 +574,54 @@ async fn a_command_refused_inside_the_script_is_named_among_those_to_allow() {
     assert!(text.contains("ACL"), "{text}");
 }
 
+/// docs/operations.md's least-privilege rules, for the default key prefix (`functions`: with
+/// `+fcall +function|load`, the faster calls of Redis 7).
+fn least_privilege(functions: bool) -> String {
+    format!(
+        "~dlimit:* &dlimit:* +eval +evalsha {}+subscribe +unsubscribe +ping +publish +time \
+         +info +zadd +zrem +zrange +zrangebyscore +zrangebylex +zremrangebyscore +zcard +zcount \
+         +zscore +zscan +hget +hmget +hset +hdel +hscan +get +set +del +exists +pexpireat \
+         +persist",
+        if functions {
+            "+fcall +function|load "
+        } else {
+            ""
+        }
+    )
+}
+
 /// The commands the errors name are all a semaphore and a rate limiter need on one server, on
 /// the keys and channels of the key prefix: a user with only those holds, waits, is handed a
-/// slot by another process, and is rate limited.
+/// slot by another process, and is rate limited; its semaphore's calls are functions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_with_only_the_named_commands_gets_everything() {
-    // (docs/operations.md's rules, for the default key prefix.)
-    let (_server, url) = with_user(
-        "~dlimit:* &dlimit:* +eval +evalsha +subscribe +unsubscribe +ping +publish +time +info \
-         +zadd +zrem +zrange +zrangebyscore +zrangebylex +zremrangebyscore +zcard +zcount +zscore \
-         +zscan +hget +hmget +hset +hdel +hscan +get +set +del +exists +pexpireat +persist",
-    )
-    .await;
+    let (server, url) = with_user(&least_privilege(true)).await;
+    holds_waits_is_handed_a_slot_and_is_rate_limited(&url).await;
+    assert!(
+        support::command_calls_at(&format!("redis://127.0.0.1:{}", server.port), "fcall").await > 0
+    );
+}
+
+/// Without the rights to functions (or on a Redis before 7), the same calls go as scripts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_functions_gets_everything_through_scripts() {
+    let (server, url) = with_user(&least_privilege(false)).await;
+    holds_waits_is_handed_a_slot_and_is_rate_limited(&url).await;
+    // (The refused FCALL is counted as rejected, not as a call.)
+    assert_eq!(
+        support::command_calls_at(&format!("redis://127.0.0.1:{}", server.port), "fcall").await,
+        0
+    );
+    // FCALL allowed, but not loading the library: scripts too.
+    let (server, url) = with_user("~* &* +@all -function").await;
+    holds_waits_is_handed_a_slot_and_is_rate_limited(&url).await;
+    assert!(
+        support::command_calls_at(&format!("redis://127.0.0.1:{}", server.port), "evalsha").await
+            > 0
+    );
+}
+
+async fn holds_waits_is_handed_a_slot_and_is_rate_limited(url: &str) {
     let build = |backend| {
         Semaphore::builder("acl-least")
             .limit(1)
@@ -593,8 +629,8 @@ async fn a_user_with_only_the_named_commands_gets_everything() {
             .build(backend)
             .unwrap()
     };
-    let first = build(RedisBackend::connect(&url).await.unwrap());
-    let second = build(RedisBackend::connect(&url).await.unwrap());
+    let first = build(RedisBackend::connect(url).await.unwrap());
+    let second = build(RedisBackend::connect(url).await.unwrap());
     let held = first.acquire().await.unwrap();
     let waiter = tokio::spawn(async move { second.acquire().await.map(drop) });
     eventually(
@@ -613,7 +649,7 @@ async fn a_user_with_only_the_named_commands_gets_everything() {
 
     let rate = tower_distributed_limit::RateLimiter::builder("acl-least")
         .rate(1, Duration::from_secs(60))
-        .build(RedisBackend::connect(&url).await.unwrap())
+        .build(RedisBackend::connect(url).await.unwrap())
         .unwrap();
     assert!(rate.check().await.unwrap().allowed);
     assert!(!rate.check().await.unwrap().allowed);

@@ -133,21 +133,21 @@ async fn acquires_are_local_while_nobody_waits() {
     assert_eq!(unpooled.len(), 1, "{holders:?}");
     assert_eq!(unpooled[0].id, heavy.id());
     drop(heavy);
-    let before = redis.evalsha_calls().await;
+    let before = redis.script_calls().await;
     for _ in 0..100 {
         let permit = sem.acquire().await.unwrap();
         assert!(!permit.is_lost());
         drop(permit);
     }
-    let calls = redis.evalsha_calls().await - before;
+    let calls = redis.script_calls().await - before;
     assert!(calls <= 3, "{calls} script calls for 100 acquires");
     // Prefetch 0 is today's semaphore: one call each.
     let plain = hot(redis.backend().await, 64, 0);
-    let before = redis.evalsha_calls().await;
+    let before = redis.script_calls().await;
     for _ in 0..10 {
         plain.acquire().await.unwrap().release().await.unwrap();
     }
-    assert!(redis.evalsha_calls().await - before >= 20);
+    assert!(redis.script_calls().await - before >= 20);
 }
 
 /// A waiter in another process gets a slot the prefetcher holds unused: the prefetcher learns

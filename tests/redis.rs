@@ -181,7 +181,7 @@ async fn waiting_does_not_poll_redis() {
         .build(redis.backend().await)
         .unwrap();
     let mut held = sem.acquire().await.unwrap();
-    let before = redis.evalsha_calls().await;
+    let before = redis.script_calls().await;
     let waiters: Vec<_> = (0..5)
         .map(|_| {
             let sem = sem.clone();
@@ -190,7 +190,7 @@ async fn waiting_does_not_poll_redis() {
         .collect();
     // Time is the subject here: five waiters waiting 1.5 s.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let during = redis.evalsha_calls().await - before;
+    let during = redis.script_calls().await - before;
     // Each waiter queues with one call; then only the oldest refreshes the line, once when the
     // subscription is confirmed and about once a second. A 10 ms poller would make ~750 calls.
     assert!(
@@ -403,9 +403,9 @@ async fn concurrent_acquires_share_one_call() {
         .unwrap();
     drop(sem.try_acquire().await.unwrap()); // loads the script
     sem.available_permits().await.unwrap(); // and sends that release
-    let before = redis.evalsha_calls().await;
+    let before = redis.script_calls().await;
     let permits = futures_util::future::join_all((0..64).map(|_| sem.try_acquire())).await;
-    let calls = redis.evalsha_calls().await - before;
+    let calls = redis.script_calls().await - before;
     let mut tokens: Vec<u64> = permits
         .iter()
         .map(|p| {
@@ -436,7 +436,7 @@ async fn a_request_costs_about_one_call_under_concurrency() {
         .build(redis.backend().await)
         .unwrap();
     drop(sem.acquire().await.unwrap());
-    let before = redis.evalsha_calls().await;
+    let before = redis.script_calls().await;
     const TASKS: usize = 16;
     const ROUNDS: usize = 200;
     let workers: Vec<_> = (0..TASKS)
@@ -456,7 +456,7 @@ async fn a_request_costs_about_one_call_under_concurrency() {
     for worker in workers {
         worker.await.unwrap();
     }
-    let per_request = (redis.evalsha_calls().await - before) as f64 / (TASKS * ROUNDS) as f64;
+    let per_request = (redis.script_calls().await - before) as f64 / (TASKS * ROUNDS) as f64;
     println!("{per_request:.3} script calls per request");
     assert!(
         per_request < 1.1,
@@ -895,10 +895,48 @@ async fn a_process_of_the_earlier_version_cannot_push_past_the_limit() {
     );
     drop(held);
     let next = sem.acquire().await.unwrap();
-    assert!(next.fencing_token() > old_token as u64, "a token below the old process's");
+    assert!(
+        next.fencing_token() > old_token as u64,
+        "a token below the old process's"
+    );
     // The two given back, the old process's holder and the new one.
     eventually(Duration::from_secs(5), "the releases", || async {
         sem.snapshot().await.unwrap().used == 2
     })
     .await;
+}
+
+/// On Redis 7 the semaphore's calls are functions: the library is loaded with the first call,
+/// and again after FUNCTION FLUSH (or a server that came back empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_is_loaded_again_after_function_flush() {
+    let redis = Redis::start().await;
+    let sem = Semaphore::builder("functions")
+        .limit(1)
+        .build(redis.backend().await)
+        .unwrap();
+    let libraries = || async {
+        let list: Vec<redis::Value> = redis::cmd("FUNCTION")
+            .arg("LIST")
+            .query_async(&mut redis.conn().await)
+            .await
+            .unwrap();
+        list.len()
+    };
+    sem.acquire().await.unwrap().release().await.unwrap();
+    assert_eq!(libraries().await, 1);
+    let _: () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut redis.conn().await)
+        .await
+        .unwrap();
+    let calls = support::command_calls_at(&redis.url, "fcall").await;
+    let mut permit = sem
+        .acquire()
+        .await
+        .expect("a missing function is answered by loading it");
+    permit.release().await.unwrap();
+    assert_eq!(libraries().await, 1);
+    assert!(support::command_calls_at(&redis.url, "fcall").await > calls);
+    assert_eq!(support::command_calls_at(&redis.url, "evalsha").await, 0);
 }

@@ -60,11 +60,11 @@ async fn the_combined_check_is_one_call_and_all_or_nothing() {
             .unwrap()
     };
 
-    let before = redis.evalsha_calls().await;
+    let before = redis.script_calls().await;
     let first = tokio::spawn(svc.clone().oneshot(()));
     entered.recv().await.unwrap();
     assert_eq!(
-        redis.evalsha_calls().await - before,
+        redis.script_calls().await - before,
         1,
         "permit and rate in one script call"
     );

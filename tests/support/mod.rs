@@ -80,9 +80,9 @@ impl Redis {
             .unwrap()
     }
 
-    /// How many times Redis ran EVALSHA so far (INFO commandstats).
-    pub async fn evalsha_calls(&self) -> u64 {
-        evalsha_calls_at(&self.url).await
+    /// How many script calls Redis ran so far (see [`script_calls_at`]).
+    pub async fn script_calls(&self) -> u64 {
+        script_calls_at(&self.url).await
     }
 
     pub fn kill(&mut self) {
@@ -178,8 +178,18 @@ impl Drop for RedisProcess {
     }
 }
 
-/// How many times the server at `url` ran EVALSHA so far (INFO commandstats).
-pub async fn evalsha_calls_at(url: &str) -> u64 {
+/// How many script calls the server at `url` ran so far: FCALL, EVALSHA and EVAL.
+pub async fn script_calls_at(url: &str) -> u64 {
+    let mut calls = 0;
+    for name in ["fcall", "evalsha", "eval"] {
+        calls += command_calls_at(url, name).await;
+    }
+    calls
+}
+
+/// How many times the server at `url` ran the command `name` (lower case) so far (INFO
+/// commandstats).
+pub async fn command_calls_at(url: &str, name: &str) -> u64 {
     let mut conn = redis::Client::open(url)
         .unwrap()
         .get_multiplexed_async_connection()
@@ -191,7 +201,7 @@ pub async fn evalsha_calls_at(url: &str) -> u64 {
         .await
         .unwrap();
     info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
+        .find_map(|line| line.strip_prefix(&format!("cmdstat_{name}:calls=")))
         .and_then(|rest| rest.split(',').next())
         .map_or(0, |calls| calls.parse().unwrap())
 }

@@ -3,6 +3,7 @@
 //! and opening the connection, at once (`connect`) or by the background probe
 //! (`connect_lazy`, through [`Reconnect`]).
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -573,6 +574,7 @@ impl RedisBackendBuilder {
                 replicas: self.replicas,
                 promotion_fence,
                 eviction: Eviction::default(),
+                functions_refused: AtomicBool::new(false),
                 process: format!(
                     "{:08x} {}",
                     process_tag(),

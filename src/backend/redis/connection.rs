@@ -10,6 +10,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
     Client, Cmd, ConnectionInfo, Pipeline, ProtocolVersion, RedisFuture, RedisResult,
     TlsCertificates, Value,
@@ -119,6 +120,21 @@ impl Conn {
     }
 
     /// One round trip: the probe's question whether the server answers.
+    /// Loads the function library `text` where `key` lives: on a cluster, on that key's
+    /// master only (as a call by key goes), not on every node.
+    pub(super) async fn load_library(&mut self, text: &str, key: &[u8]) -> RedisResult<()> {
+        let mut load = redis::cmd("FUNCTION");
+        load.arg("LOAD").arg("REPLACE").arg(text);
+        match self {
+            Conn::Cluster(conn) => {
+                let node = Route::with_key(key, SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
+                conn.route_command(load, routing).await.map(drop)
+            }
+            Conn::Single(_) | Conn::Sentinel(_) => load.query_async::<()>(self).await,
+        }
+    }
+
     pub(super) async fn ping(mut self) -> RedisResult<()> {
         redis::cmd("PING").query_async::<()>(&mut self).await
     }

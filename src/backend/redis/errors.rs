@@ -71,11 +71,11 @@ fn access_problem(e: &RedisError) -> Option<&'static str> {
         Some(
             "the Redis user lacks a permission (ACL NOPERM); allow it EVAL, EVALSHA, PUBLISH, \
              SUBSCRIBE, WAIT and PING (SPUBLISH/SSUBSCRIBE on a Cluster) on the keys and \
-             channels under the key prefix",
+             channels under the key prefix, and FCALL and FUNCTION LOAD for the faster calls \
+             of Redis 7",
         )
     } else if e.code() == Some("ERR")
-        && e.detail()
-            .is_some_and(|detail| detail.starts_with(SCRIPT_REFUSED))
+        && server_detail(e).is_some_and(|detail| detail.starts_with(SCRIPT_REFUSED))
     {
         // A command the script runs inside EVAL, refused by the user's ACL: Redis names
         // neither the command nor the key.
@@ -90,6 +90,15 @@ fn access_problem(e: &RedisError) -> Option<&'static str> {
     } else {
         None
     }
+}
+
+/// The server's words after the error code, also of a call pipelined with `WAIT` (redis-rs
+/// keeps those only in the pipeline's errors).
+pub(super) fn server_detail(e: &RedisError) -> Option<String> {
+    e.detail().map(str::to_owned).or_else(|| {
+        let errors = e.clone().into_server_errors()?;
+        errors.first()?.1.details().map(str::to_owned)
+    })
 }
 
 /// How Redis begins the error of a command refused inside a script: "...can't run this

@@ -10,6 +10,7 @@
 //! opens its connection, `errors.rs` says what a failure means, and `eviction.rs` warns of a
 //! server that may evict the keys.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -104,6 +105,9 @@ struct Connection {
     /// This process's tag and name, `"<tag> <name>"`, told with a call now and then (see
     /// `RedisBackendBuilder::process_name`).
     process: Arc<str>,
+    /// The server (Redis before 7) or the user's ACL has no functions: the semaphore's calls
+    /// go as scripts (see `script::invoke`).
+    functions_refused: AtomicBool,
 }
 
 /// `wait_for_replicas`: a grant counts once `count` replicas acknowledged it within `timeout`.

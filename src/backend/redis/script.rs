@@ -1,39 +1,121 @@
 //! The one script-call path every Redis operation takes ([`invoke`]): the health gate, the
-//! script by SHA (its source on `NOSCRIPT`), `WAIT` in the same pipeline, and the retries of a
-//! call that may be sent again.
+//! semaphore's library as a function (`FCALL`, loaded on `Function not found`) where the
+//! server allows it, else the script by SHA (its source on `NOSCRIPT`), `WAIT` in the same
+//! pipeline, and the retries of a call that may be sent again.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use redis::{Cmd, ErrorKind, RedisResult, Script, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, Value};
 use tokio::time::Instant;
 
 use super::connection::Conn;
-use super::errors::{is_transient, redis_error};
+use super::errors::{is_transient, redis_error, server_detail};
 use super::{CALLS, Connection, Replicas};
 use crate::Error;
 use crate::backend::health;
 
-/// A Lua script, sent by SHA once the server knows it.
+/// A Lua script, sent by SHA once the server knows it; or a library, made a function.
 pub(super) struct Lua {
     source: &'static str,
-    script: OnceLock<Script>,
+    /// `source` is a library: definitions and `run(keys, argv)`, which does the call.
+    library: bool,
+    prepared: OnceLock<Prepared>,
+}
+
+/// What a [`Lua`] sends, made at its first call.
+struct Prepared {
+    /// The script `EVAL` runs: a library's source ends with its call of `run`.
+    text: String,
+    script: Script,
+    /// A library's function: its name (`dlimit_` and the script's SHA, so versions that share
+    /// a server keep theirs apart) and what `FUNCTION LOAD` registers it with.
+    function: Option<(String, String)>,
 }
 
 impl Lua {
-    /// The script of `source`, hashed at its first call.
+    /// The script of `source`.
     pub(super) const fn new(source: &'static str) -> Self {
         Lua {
             source,
-            script: OnceLock::new(),
+            library: false,
+            prepared: OnceLock::new(),
         }
     }
 
-    fn sha(&self) -> &str {
-        self.script
-            .get_or_init(|| Script::new(self.source))
-            .get_hash()
+    /// The library of `source`: its definitions are made once per server (`FUNCTION LOAD`),
+    /// not on every call as a script's are, where Redis 7 and the user's ACL allow it.
+    pub(super) const fn library(source: &'static str) -> Self {
+        Lua {
+            source,
+            library: true,
+            prepared: OnceLock::new(),
+        }
     }
+
+    fn prepared(&self) -> &Prepared {
+        self.prepared.get_or_init(|| {
+            if !self.library {
+                return Prepared {
+                    text: self.source.to_owned(),
+                    script: Script::new(self.source),
+                    function: None,
+                };
+            }
+            let text = as_script(self.source);
+            let script = Script::new(&text);
+            let name = format!("dlimit_{}", &script.get_hash()[..16]);
+            // `allow-oom`: a release must go through on a full server, as a script's does.
+            let library = format!(
+                "#!lua name={name}\n{}redis.register_function{{function_name = '{name}', \
+                 callback = run, flags = {{'allow-oom'}}}}\n",
+                self.source
+            );
+            Prepared {
+                text,
+                script,
+                function: Some((name, library)),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+impl Lua {
+    /// The source, and the script `EVAL` runs of it.
+    pub(super) fn texts(&self) -> (&'static str, &str) {
+        (self.source, &self.prepared().text)
+    }
+}
+
+/// A library (lua/semaphore/) as the script `EVAL` runs: the same definitions, each part's
+/// `step_*` body where it stands rather than in a function (the library's `run` calls them in
+/// the order of the parts), then the reply. A script makes every function anew on each call,
+/// with its upvalues: the bodies inlined spare a fifth of its instructions.
+fn as_script(library: &str) -> String {
+    let mut text = String::with_capacity(library.len() + 32);
+    let mut in_run = false;
+    for line in library.lines() {
+        if line == "local function run(keys, argv)" {
+            in_run = true;
+        }
+        let step = (line.starts_with("local function step_") && line.ends_with("()"))
+            || line.starts_with("end -- step_");
+        let kept = !(in_run || step);
+        if line == "end -- run" {
+            in_run = false;
+        }
+        if line == "local KEYS, ARGV" {
+            // (EVAL's keys and arguments are globals.)
+            text.push_str("local KEYS, ARGV = KEYS, ARGV\n");
+        } else if kept {
+            text.push_str(line);
+            text.push('\n');
+        }
+    }
+    text.push_str("return reply\n");
+    text
 }
 
 /// One call of `lua` on `conn`, its keys and arguments written by `args` (told whether this is
@@ -58,18 +140,49 @@ pub(super) async fn invoke(
     args: impl Fn(&mut Cmd, bool),
 ) -> Result<(Value, Option<i64>), Error> {
     let mut conn = shared.conn()?;
-    let result = send(lua, &mut conn, op, until, replicas, args).await;
+    let call = Call {
+        lua,
+        functions_refused: &shared.functions_refused,
+        op,
+        until,
+        replicas,
+    };
+    let result = send(&call, &mut conn, args).await;
     if let Err(e) = &result {
         health::failed(shared, e);
     }
     result.map_err(|e| redis_error(e, op, shared.health.label()))
 }
 
+/// One call of [`send`]: what it runs, and how.
+struct Call<'a> {
+    lua: &'a Lua,
+    /// The server or the user's ACL has no functions (Redis before 7, `FCALL` or `FUNCTION
+    /// LOAD` not allowed): scripts only, from then on.
+    functions_refused: &'a AtomicBool,
+    op: &'static str,
+    until: Instant,
+    replicas: Option<Replicas>,
+}
+
+/// How a call is sent.
+#[derive(Clone, Copy, PartialEq)]
+enum Way {
+    /// `FCALL` of the library's function.
+    Function,
+    /// `EVALSHA`.
+    Sha,
+    /// `EVAL` of the whole source (the server lacked the script).
+    Source,
+}
+
 /// What one call of [`send`] has been through so far: each kind of retry is bounded, and the
 /// script is told when it may have run already.
 struct Retries {
-    /// The server lacked the script: its whole source goes from now on (`EVAL`).
-    source: bool,
+    /// How this attempt goes.
+    way: Way,
+    /// The library was loaded once: a second `Function not found` sends the script instead.
+    loaded: bool,
     /// A call was sent that may have run: the script rechecks instead of adding again.
     repeat: bool,
     /// The connection dropped once: a second drop is the answer.
@@ -84,15 +197,29 @@ struct Retries {
 
 /// [`invoke`]'s retries on one connection.
 async fn send(
-    lua: &Lua,
+    call: &Call<'_>,
     conn: &mut Conn,
-    op: &'static str,
-    until: Instant,
-    replicas: Option<Replicas>,
     args: impl Fn(&mut Cmd, bool),
 ) -> RedisResult<(Value, Option<i64>)> {
+    let Call {
+        lua,
+        op,
+        until,
+        replicas,
+        ..
+    } = *call;
+    let prepared = lua.prepared();
+    let functions = prepared
+        .function
+        .as_ref()
+        .filter(|_| !call.functions_refused.load(Ordering::Relaxed));
     let mut tried = Retries {
-        source: false,
+        way: if functions.is_some() {
+            Way::Function
+        } else {
+            Way::Sha
+        },
+        loaded: false,
         repeat: false,
         dropped: false,
         moved: false,
@@ -100,14 +227,22 @@ async fn send(
         pause: Duration::from_millis(10),
     };
     loop {
-        let mut command = if tried.source {
-            let mut command = redis::cmd("EVAL");
-            command.arg(lua.source);
-            command
-        } else {
-            let mut command = redis::cmd("EVALSHA");
-            command.arg(lua.sha());
-            command
+        let mut command = match (tried.way, functions) {
+            (Way::Function, Some((name, _))) => {
+                let mut command = redis::cmd("FCALL");
+                command.arg(name);
+                command
+            }
+            (Way::Function | Way::Sha, _) => {
+                let mut command = redis::cmd("EVALSHA");
+                command.arg(prepared.script.get_hash());
+                command
+            }
+            (Way::Source, _) => {
+                let mut command = redis::cmd("EVAL");
+                command.arg(&prepared.text);
+                command
+            }
         };
         args(&mut command, tried.repeat);
         tracing::trace!(target: CALLS, op, repeat = tried.repeat, "script call");
@@ -142,9 +277,42 @@ async fn send(
                 tried.moved = true;
                 tried.repeat = true;
             }
-            // Nothing ran, so `repeat` stays as it was.
-            Err(e) if !tried.source && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                tried.source = true;
+            // Nothing ran, so `repeat` stays as it was (here and in the next two).
+            Err(e) if tried.way == Way::Function && !functions_allowed(&e) => {
+                tracing::debug!(op, error = %e, "no functions on this server; scripts from now on");
+                call.functions_refused.store(true, Ordering::Relaxed);
+                tried.way = Way::Sha;
+            }
+            Err(e) if tried.way == Way::Function && function_missing(&e) => {
+                let loaded = match (first_key(&args), functions) {
+                    (Some(key), Some((_, library))) if !tried.loaded => {
+                        conn.load_library(library, &key).await
+                    }
+                    _ => Ok(()),
+                };
+                match loaded {
+                    Ok(()) if !tried.loaded => tried.loaded = true,
+                    Ok(()) => tried.way = Way::Sha,
+                    Err(e) => {
+                        tracing::debug!(op, error = %e, "cannot load the library; a script instead");
+                        // Refused or rejected by the server (an ACL, a Lua it cannot compile):
+                        // scripts from now on. Lost on the way: only this call.
+                        if !(e.is_io_error()
+                            || e.is_connection_dropped()
+                            || e.is_timeout()
+                            || is_transient(&e))
+                        {
+                            call.functions_refused.store(true, Ordering::Relaxed);
+                        }
+                        tried.way = Way::Sha;
+                    }
+                }
+            }
+            Err(e)
+                if tried.way != Way::Source
+                    && e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
+            {
+                tried.way = Way::Source;
             }
             Err(e) if e.is_connection_dropped() && !tried.dropped => {
                 tried.dropped = true;
@@ -158,5 +326,31 @@ async fn send(
             }
             other => return other,
         }
+    }
+}
+
+/// Whether `e`, the answer to `FCALL` or `FUNCTION LOAD`, leaves functions possible: not a
+/// server without them (before Redis 7: an unknown command) nor a user the ACL refuses them.
+fn functions_allowed(e: &RedisError) -> bool {
+    e.kind() != ErrorKind::Server(ServerErrorKind::NoPerm)
+        && !(e.code() == Some("ERR")
+            && server_detail(e).is_some_and(|detail| detail.starts_with("unknown command")))
+}
+
+/// Whether `e` says the server lacks the function (never loaded, flushed, or a server that
+/// came back empty).
+fn function_missing(e: &RedisError) -> bool {
+    e.code() == Some("ERR")
+        && server_detail(e).is_some_and(|detail| detail.starts_with("Function not found"))
+}
+
+/// The first key `args` writes: where a missing library is loaded.
+fn first_key(args: &impl Fn(&mut Cmd, bool)) -> Option<Vec<u8>> {
+    let mut command = Cmd::new();
+    args(&mut command, false);
+    // (The key count, then the keys.)
+    match command.args_iter().nth(1)? {
+        redis::Arg::Simple(key) => Some(key.to_vec()),
+        _ => None,
     }
 }

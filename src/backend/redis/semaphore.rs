@@ -28,7 +28,7 @@ use crate::waitlist::{ClockReading, PATIENCE, Refresh, Status};
 use crate::{AdaptiveLimit, Error};
 
 /// Every operation on a semaphore, in one script.
-static SEMAPHORE: Lua = Lua::new(concat!(
+static SEMAPHORE: Lua = Lua::library(concat!(
     include_str!("../lua/gcra.lua"),
     include_str!("../lua/semaphore/args.lua"),
     include_str!("../lua/semaphore/classes.lua"),
@@ -1262,6 +1262,38 @@ mod tests {
     use crate::backend::gcra::Gcra;
 
     const LEASE: Duration = Duration::from_secs(30);
+
+    /// The script form (Redis without functions) inlines each part's `step_*` where it
+    /// stands: `run` must call them in the order of the parts, and every one must go.
+    #[test]
+    fn the_script_form_runs_the_steps_in_the_order_run_calls_them() {
+        let (library, script) = SEMAPHORE.texts();
+        let defined: Vec<&str> = library
+            .lines()
+            .filter_map(|line| {
+                line.strip_prefix("local function step_")?
+                    .strip_suffix("()")
+            })
+            .collect();
+        let ended = library.lines().filter(|l| l.starts_with("end -- step_"));
+        assert_eq!(ended.count(), defined.len());
+        let run = library
+            .split_once("local function run(keys, argv)\n")
+            .and_then(|(_, rest)| rest.split_once("end -- run\n"))
+            .map(|(body, _)| body)
+            .expect("the library's run");
+        let called: Vec<&str> = run
+            .lines()
+            .filter_map(|line| line.split_once("step_")?.1.split_once("()"))
+            .map(|(name, _)| name)
+            .collect();
+        assert_eq!(defined, called);
+        assert_eq!(defined.len(), 11, "{defined:?}");
+        assert!(!script.contains("function step_") && !script.contains("end -- step_"));
+        assert!(!script.contains("local function run("));
+        assert_eq!(script.matches("local KEYS, ARGV = KEYS, ARGV\n").count(), 1);
+        assert!(script.ends_with("\nreturn reply\n"));
+    }
 
     /// A semaphore on a server never reached: every call fails at once (nothing listens on
     /// port 1), so what the outbox does is all there is to see.

@@ -4,7 +4,7 @@
 -- downstream's latency. A pinned limit (set_limit) does not adapt.
 
 -- The state, read from meta at the first sample of the call and written back with meta.
-local gradient = nil
+local gradient
 
 -- `n` releases (n holds that ended in a prefetch pool; else 1): held `held_ms` each (a mean),
 -- with `in_flight` held just before, overloaded or not.
@@ -104,3 +104,7 @@ local function gradient_fields(fields)
     table.insert(fields, field[2])
   end
 end
+
+local function step_adapt()
+  gradient = nil
+end -- step_adapt

@@ -1,7 +1,8 @@
 -- One distributed, first-come-first-served semaphore. Every operation is one call of this
 -- script, so it runs atomically; times come from the Redis server clock, never a client's.
--- The script is this file and the eight after it, in order (classes, tenants, fence, sweep, adapt, holders, line, ops;
--- `semaphore.rs` joins them after `gcra.lua`); each part's locals are the next parts' too.
+-- The script is this file and the eight after it, in order (classes, tenants, fence, sweep,
+-- adapt, holders, line, ops; `semaphore.rs` joins them after `gcra.lua`); each part's locals
+-- are the next parts' too.
 --
 -- KEYS[1] holders: zset, member -> lease deadline (ms); a provisional grant not claimed yet
 --                  has its deadline + 0.5 (a score's fraction marks it at no extra command)
@@ -45,10 +46,10 @@
 --                  key for every semaphore of the server (used through Sentinel only)
 -- A member is "<holder id>[:c<level>][:t<tenant>][:p]:<weight>:<lease ms>" (level 4, NORMAL,
 -- without; the tenant in 16 hex digits; `:p` for a slot a process may keep in its prefetch
--- pool), the id's first 8 hex digits naming its
--- process. All keys share one hash tag (one Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are deleted
--- when nothing is held past that horizon); queue and alive expire with the latest waiter
--- deadline.
+-- pool), the id's first 8 hex digits naming its process. All keys share one hash tag (one
+-- Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are
+-- deleted when nothing is held past that horizon); queue and alive expire with the latest
+-- waiter deadline.
 --
 -- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or
 -- SPUBLISH on a cluster), the caller's limit (`<n>`, or `<initial>/<min>/<max>` adaptive,
@@ -95,27 +96,23 @@
 -- Whenever queued waiters fit they are admitted in arrival order, each with a provisional lease
 -- of at most `claim` ms (and half its lease) that the waiter's process claims (touch or renew)
 -- to get its full lease; each grant is published as "<member> <token> <deadline ms>" on
--- "<channel>:<the member's process>", which only that process subscribes to. "retry ms" is the time until the earliest lease ends: when an expiry may admit someone.
-local holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local procs = KEYS[6]
-local op, channel, publisher = ARGV[1], ARGV[2], ARGV[3]
--- The caller's limit, then `|` and its classes' shares when it has any (classes.lua).
-local limit_text, caller_shares = string.match(ARGV[4], '^([^|]*)|?(.*)$')
-local initial, adapt_min, adapt_max = string.match(limit_text, '^(%d+)/(%d+)/(%d+)$')
-local limit = tonumber(initial or limit_text)
-local patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
-local promotion_fence = tonumber(ARGV[7])
-local caller, caller_name = string.sub(ARGV[8], 1, 8), string.sub(ARGV[8], 10)
-local released = tonumber(ARGV[9])
-local args = 10 + released
-if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
-  return redis.error_reply('unknown publish command ' .. tostring(publisher))
-end
-
-local time = redis.call('TIME')
--- (Digits from the server: arithmetic reads each with one parse, `tonumber` takes two.)
-local now_us = time[1] * 1000000 + time[2]
-local now = math.floor(now_us / 1000)
+-- "<channel>:<the member's process>", which only that process subscribes to. "retry ms" is the
+-- time until the earliest lease ends (or sooner, never later): when an expiry may admit
+-- someone.
+-- Loaded as a function library (FUNCTION LOAD) where the server allows it, its definitions are
+-- made once per server, and `run` (ops.lua) is each call; else it goes as a script, each
+-- `step_*` body inlined where it stands (script.rs). Every part declares its per-call state at
+-- its top and sets all of it in its `step_*` function, so no call sees another's.
+local KEYS, ARGV
+local holders, meta, queue, alive, since, procs
+local op, channel, publisher
+-- The caller's limit and its classes' shares (classes.lua), and whether it adapts.
+local limit, caller_shares, adapt_min, adapt_max
+local patience, claim, promotion_fence
+local caller, caller_name
+-- Where the operation's own arguments start, after the k members to release.
+local args
+local now_us, now, now_text
 
 -- Lua numbers are doubles: every integer sent to Redis is written here, as `%d` (`tostring`
 -- would write 1.7e+15, and a number passed to redis.call as it is goes through %.17g, which
@@ -123,9 +120,6 @@ local now = math.floor(now_us / 1000)
 local function int(n)
   return string.format('%d', n)
 end
--- (Written once: several commands of a call carry it.)
-local now_text = int(now)
-
 -- Keys of more than a few members are kept in Redis's general encodings (skiplist, hashtable):
 -- the compact one (a listpack, up to 128 members by default) scans its entries on every
 -- lookup, parsing a zset's scores on the way, where the others find a member by its hash. A
@@ -151,7 +145,7 @@ end
 -- What a member says of itself, read once per call (patterns cost more than the rest of
 -- most steps, and a member meets several): {weight, lease, class level (4 without `:c`),
 -- tenant (nil without `:t`), pooled (`:p`)}. A malformed member weighs 0.
-local facts = {}
+local facts
 local function facts_of(member)
   local known = facts[member]
   if known then
@@ -219,74 +213,117 @@ end
 -- (struct.pack: read and written without a number's parse or formatting); the rest are
 -- fields of their own, written only when they change.
 local STATE = '<ddddddddd'
-local stored = redis.call('HMGET', meta, 'state', 'limit', 'pinned', 's:' .. caller, 'adaptive',
-  'unpinned', 'classes', 'used')
-local used, count, fence, horizon, line, arrived, seen, alive_at, silent_at
-if stored[1] and #stored[1] == 72 then
-  used, count, fence, horizon, line, arrived, seen, alive_at, silent_at =
-    struct.unpack(STATE, stored[1])
-end
-if stored[8] then
-  -- Fields of an earlier version's counters (`used`, `count`, ...): a process of that version
-  -- shares the semaphore. Its counters and this one's are rebuilt from the holders (sweep.lua)
-  -- each time the other wrote, so the limit holds through a rolling upgrade; the old fields go.
-  local token = tonumber(redis.call('HGET', meta, 'fence'))
-  redis.call('HDEL', meta, 'used', 'count', 'fence', 'horizon', 'line', 'arrived', 'seen',
-    'alive_at', 'silent_at')
-  used, fence = nil, math.max(fence or 0, token or 0)
-end
--- What `state` said when this call began (ms): the write-back renews the keys' expiry when
--- the horizon moved.
-local horizon_was = horizon
-fence, horizon, line, arrived = fence or 0, horizon or 0, line or 0, arrived or 0
--- (-1 when not known.)
+local stored
+local used, count, fence, horizon, line, arrived
 -- The server time of the latest call that set a deadline (ms): each holder's deadline lies
 -- within its lease of it, so only a clock behind it can leave one further ahead (sweep.lua).
-seen = seen ~= -1 and seen or nil
+local seen
 -- No waiter's liveness deadline is before this (ms; nil when not known): waiters that stopped
 -- answering are looked for once it has passed (line.lua).
-alive_at = alive_at ~= -1 and alive_at or nil
+local alive_at
 -- When a process was last marked silent (ms): a patience later no mark is in force (sweep.lua).
-silent_at = silent_at ~= -1 and silent_at or nil
-local stored_limit, stored_pinned = tonumber(stored[2]), stored[3]
-local changed = false
--- The classes' shares in force (classes.lua), as stored with the limit.
-local stored_shares = stored[7] or nil
-local shares = nil
+local silent_at
+-- What `state` said of the horizon when this call began (the write-back renews the keys'
+-- expiry when it moved), and the fields read beside it.
+local horizon_was, stored_limit, stored_pinned, stored_unpinned
+local changed
+-- The classes' shares in force (classes.lua): as stored with the limit, and as decided.
+local stored_shares, shares
 -- One limit for every process: the one stored with the semaphore, else this caller's, stored
--- for the others to adopt.
-local pinned = stored_pinned == '1'
+-- for the others to adopt; `pinned` by an operator, with the limit to return to.
+local pinned, unpinned
 -- Whether the limit adapts ("<min>/<max>"), decided with the limit by whoever stores it.
--- (A missing field reads as false.)
-local adaptive = stored[5] or nil
-local configured = limit
-local unpinned = tonumber(stored[6])
-local stored_unpinned = unpinned
-if stored_limit then
-  limit = stored_limit
-else
-  changed = true
-  adaptive = adapt_min and (adapt_min .. '/' .. adapt_max) or nil
-end
-if op == 'set_limit' then
-  -- The limit to return to: the one in force, unless it is a pin, or the caller's own (an
-  -- operator's tool pinning a semaphore nobody uses has no limit of its own to give).
-  if not pinned and stored_limit then
-    unpinned = limit
+local adaptive
+
+-- The call's arguments and the server's time; an error reply for arguments no version of
+-- this crate sends.
+local function step_args()
+  holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+  procs = KEYS[6]
+  op, channel, publisher = ARGV[1], ARGV[2], ARGV[3]
+  -- The caller's limit, then `|` and its classes' shares when it has any.
+  local limit_text, initial
+  limit_text, caller_shares = string.match(ARGV[4], '^([^|]*)|?(.*)$')
+  initial, adapt_min, adapt_max = string.match(limit_text, '^(%d+)/(%d+)/(%d+)$')
+  limit = tonumber(initial or limit_text)
+  patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
+  promotion_fence = tonumber(ARGV[7])
+  caller, caller_name = string.sub(ARGV[8], 1, 8), string.sub(ARGV[8], 10)
+  args = 10 + tonumber(ARGV[9])
+  if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
+    return redis.error_reply('unknown publish command ' .. tostring(publisher))
   end
-  limit = tonumber(ARGV[args])
-  pinned = true
-  changed = true
-elseif op == 'unset_limit' then
-  if pinned then
-    limit = unpinned or limit
-    unpinned = nil
-    pinned = false
+  local time = redis.call('TIME')
+  -- (Digits from the server: arithmetic reads each with one parse, `tonumber` takes two.)
+  now_us = time[1] * 1000000 + time[2]
+  now = math.floor(now_us / 1000)
+  -- (Written once: several commands of a call carry it.)
+  now_text = int(now)
+  facts = {}
+end -- step_args
+
+-- The semaphore's state as stored, and the limit in force.
+local function step_meta()
+  stored = redis.call('HMGET', meta, 'state', 'limit', 'pinned', 's:' .. caller, 'adaptive',
+    'unpinned', 'classes', 'used')
+  used, count, fence, horizon, line, arrived, seen, alive_at, silent_at = nil, nil, nil, nil,
+    nil, nil, nil, nil, nil
+  if stored[1] and #stored[1] == 72 then
+    used, count, fence, horizon, line, arrived, seen, alive_at, silent_at =
+      struct.unpack(STATE, stored[1])
+  end
+  if stored[8] then
+    -- Fields of an earlier version's counters (`used`, `count`, ...): a process of that
+    -- version shares the semaphore. Its counters and this one's are rebuilt from the holders
+    -- (sweep.lua) each time the other wrote, so the limit holds through a rolling upgrade;
+    -- the old fields go.
+    local token = tonumber(redis.call('HGET', meta, 'fence'))
+    redis.call('HDEL', meta, 'used', 'count', 'fence', 'horizon', 'line', 'arrived', 'seen',
+      'alive_at', 'silent_at')
+    used, fence = nil, math.max(fence or 0, token or 0)
+  end
+  horizon_was = horizon
+  fence, horizon, line, arrived = fence or 0, horizon or 0, line or 0, arrived or 0
+  -- (-1 when not known.)
+  seen = seen ~= -1 and seen or nil
+  alive_at = alive_at ~= -1 and alive_at or nil
+  silent_at = silent_at ~= -1 and silent_at or nil
+  stored_limit, stored_pinned = tonumber(stored[2]), stored[3]
+  changed = false
+  stored_shares = stored[7] or nil
+  shares = nil
+  pinned = stored_pinned == '1'
+  -- (A missing field reads as false.)
+  adaptive = stored[5] or nil
+  local configured = limit
+  unpinned = tonumber(stored[6])
+  stored_unpinned = unpinned
+  if stored_limit then
+    limit = stored_limit
+  else
+    changed = true
+    adaptive = adapt_min and (adapt_min .. '/' .. adapt_max) or nil
+  end
+  if op == 'set_limit' then
+    -- The limit to return to: the one in force, unless it is a pin, or the caller's own (an
+    -- operator's tool pinning a semaphore nobody uses has no limit of its own to give).
+    if not pinned and stored_limit then
+      unpinned = limit
+    end
+    limit = tonumber(ARGV[args])
+    pinned = true
+    changed = true
+  elseif op == 'unset_limit' then
+    if pinned then
+      limit = unpinned or limit
+      unpinned = nil
+      pinned = false
+      changed = true
+    end
+  elseif pinned and not unpinned and op ~= 'snapshot' and op ~= 'evict' then
+    -- Pinned before any process used it: the first process's configured limit is the one to
+    -- return to.
+    unpinned = configured
     changed = true
   end
-elseif pinned and not unpinned and op ~= 'snapshot' and op ~= 'evict' then
-  -- Pinned before any process used it: the first process's configured limit is the one to
-  -- return to.
-  unpinned = configured
-  changed = true
-end
+end -- step_meta

@@ -18,43 +18,21 @@ end
 local function rank_of(level)
   return 7 - level
 end
-if arrived >= RANK then
-  -- Written by a version that counted arrivals in µs.
-  arrived = 0
-end
 local function next_arrival()
   local EPOCH_MS = 1767225600000
   arrived = math.max((now - EPOCH_MS) * 16, arrived + 1)
   return arrived
 end
 
-if stored_shares then
-  shares = stored_shares
-elseif not stored_limit and caller_shares ~= '' then
-  shares = caller_shares
-end
-local reserved, at_most, in_class = {}, {}, {}
-if shares then
-  for level, kind, n in string.gmatch(shares, '(%d)([rm])(%d+)') do
-    if kind == 'r' then
-      reserved[tonumber(level)] = tonumber(n)
-    else
-      at_most[tonumber(level)] = tonumber(n)
-    end
-  end
-  local counts = redis.call('HMGET', meta, 'c0', 'c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7')
-  for level = 0, 7 do
-    in_class[level] = tonumber(counts[level + 1]) or 0
-  end
-end
-local held_changed = false
+-- Each class's reservation and cap, what each holds, and whether that changed.
+local reserved, at_most, in_class, held_changed
 
 local function tenant_of(member)
   return facts_of(member)[4]
 end
 -- The per-tenant cap, and what each tenant read so far holds (`dirty`: changed by this call).
-local tenant_cap = shares and tonumber(string.match(shares, 'tm(%d+)'))
-local tenant_held, tenant_dirty = {}, {}
+local tenant_cap
+local tenant_held, tenant_dirty
 local function held_by(tenant)
   local n = tenant_held[tenant]
   if n == nil then
@@ -132,7 +110,7 @@ end
 
 -- The highest class (lowest rank) whose oldest waiter waits for the pool, found by the line
 -- below: a lower class is admitted only inside its own reservation while it waits.
-local blocked = nil
+local blocked
 local function admits(level, weight, tenant)
   if room(level, weight, tenant) ~= 'fits' then
     return false
@@ -164,3 +142,33 @@ local function class_fields(fields)
     end
   end
 end
+
+-- The shares in force and what each class (and tenant) holds.
+local function step_classes()
+  if arrived >= RANK then
+    -- Written by a version that counted arrivals in µs.
+    arrived = 0
+  end
+  if stored_shares then
+    shares = stored_shares
+  elseif not stored_limit and caller_shares ~= '' then
+    shares = caller_shares
+  end
+  reserved, at_most, in_class, held_changed = {}, {}, {}, false
+  if shares then
+    for level, kind, n in string.gmatch(shares, '(%d)([rm])(%d+)') do
+      if kind == 'r' then
+        reserved[tonumber(level)] = tonumber(n)
+      else
+        at_most[tonumber(level)] = tonumber(n)
+      end
+    end
+    local counts = redis.call('HMGET', meta, 'c0', 'c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7')
+    for level = 0, 7 do
+      in_class[level] = tonumber(counts[level + 1]) or 0
+    end
+  end
+  tenant_cap = shares and tonumber(string.match(shares, 'tm(%d+)'))
+  tenant_held, tenant_dirty = {}, {}
+  blocked = nil
+end -- step_classes

@@ -6,24 +6,9 @@
 -- sent by the client). So for a lease and the fence after this server is first seen promoted,
 -- nothing new is granted here: every grant made elsewhere before has ended by then. Holders
 -- it knows of renew as usual.
-local promoted = nil
-local promoted_key = promotion_fence > 0 and KEYS[#KEYS] or nil
-if promoted_key then
-  local info = redis.call('INFO', 'replication')
-  local previous = string.match(info, 'master_replid2:(%x+)')
-  if previous and string.find(previous, '[^0]') then
-    local id = string.match(info, 'master_replid:(%x+)')
-    local seen = redis.call('HMGET', promoted_key, 'id', 'at')
-    if seen[1] == id then
-      promoted = tonumber(seen[2])
-    else
-      promoted = now
-      redis.call('HSET', promoted_key, 'id', id, 'at', now_text)
-    end
-  end
-end
+local promoted, promoted_key
 -- The earliest a grant held off by the fence may be made (ms), for the waiters' retry hint.
-local fenced_until = nil
+local fenced_until
 -- Whether a grant of `lease` ms may be made now.
 local function settled(lease)
   if not promoted then
@@ -36,3 +21,23 @@ local function settled(lease)
   fenced_until = math.min(fenced_until or from, from)
   return false
 end
+
+-- Whether this server was promoted, and when it was first seen so.
+local function step_fence()
+  promoted, fenced_until = nil, nil
+  promoted_key = promotion_fence > 0 and KEYS[#KEYS] or nil
+  if promoted_key then
+    local info = redis.call('INFO', 'replication')
+    local previous = string.match(info, 'master_replid2:(%x+)')
+    if previous and string.find(previous, '[^0]') then
+      local id = string.match(info, 'master_replid:(%x+)')
+      local seen = redis.call('HMGET', promoted_key, 'id', 'at')
+      if seen[1] == id then
+        promoted = tonumber(seen[2])
+      else
+        promoted = now
+        redis.call('HSET', promoted_key, 'id', id, 'at', now_text)
+      end
+    end
+  end
+end -- step_fence

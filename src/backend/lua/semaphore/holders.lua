@@ -51,51 +51,57 @@ local function extend(member)
   return deadline
 end
 
-local removed = 0
-for i = 10, args - 1 do
-  local member, overloaded, held, n = released_member(ARGV[i])
-  if member == '' then
-    -- Holds that ended in a prefetch pool: samples, nothing to release.
-    if held then
-      sample(held, used, overloaded, n)
-    end
-  elseif redis.call('ZREM', holders, member) == 1 then
-    if adaptive and not pinned then
-      -- The process's own measure, else the time since the grant here (a process built with
-      -- a fixed limit does not send one). A pooled slot released unsent was idle in its
-      -- pool: the time since its grant here is no hold.
-      if not held and not pooled(member) then
-        local granted = tonumber(redis.call('HGET', since, member))
-        held = granted and now - granted
-      end
-      if held then
-        sample(held, used, overloaded, 1)
-      end
-    end
-    redis.call('HDEL', since, member)
-    account(member, -1)
-    count = count - 1
-    changed = true
-    removed = removed + 1
-  elseif unqueue(member) then
-    removed = removed + 1
-  end
-end
+-- How many of the members to release held or waited; whether an operator's evict removed one.
+local removed, evicted
 
--- An operator evicts a stuck holder by its id; its slot goes to the line below.
-local evicted = 0
-if op == 'evict' then
-  local cursor = '0'
-  repeat
-    local page = redis.call('ZSCAN', holders, cursor, 'MATCH', ARGV[args] .. ':*', 'COUNT', 1000)
-    cursor = page[2][1] and '0' or page[1]
-    local member = page[2][1]
-    if member and redis.call('ZREM', holders, member) == 1 then
+-- The members this call releases, and an operator's evict.
+local function step_holders()
+  removed = 0
+  for i = 10, args - 1 do
+    local member, overloaded, held, n = released_member(ARGV[i])
+    if member == '' then
+      -- Holds that ended in a prefetch pool: samples, nothing to release.
+      if held then
+        sample(held, used, overloaded, n)
+      end
+    elseif redis.call('ZREM', holders, member) == 1 then
+      if adaptive and not pinned then
+        -- The process's own measure, else the time since the grant here (a process built with
+        -- a fixed limit does not send one). A pooled slot released unsent was idle in its
+        -- pool: the time since its grant here is no hold.
+        if not held and not pooled(member) then
+          local granted = tonumber(redis.call('HGET', since, member))
+          held = granted and now - granted
+        end
+        if held then
+          sample(held, used, overloaded, 1)
+        end
+      end
       redis.call('HDEL', since, member)
       account(member, -1)
       count = count - 1
       changed = true
-      evicted = 1
+      removed = removed + 1
+    elseif unqueue(member) then
+      removed = removed + 1
     end
-  until cursor == '0'
-end
+  end
+
+  -- An operator evicts a stuck holder by its id; its slot goes to the line below.
+  evicted = 0
+  if op == 'evict' then
+    local cursor = '0'
+    repeat
+      local page = redis.call('ZSCAN', holders, cursor, 'MATCH', ARGV[args] .. ':*', 'COUNT', 1000)
+      cursor = page[2][1] and '0' or page[1]
+      local member = page[2][1]
+      if member and redis.call('ZREM', holders, member) == 1 then
+        redis.call('HDEL', since, member)
+        account(member, -1)
+        count = count - 1
+        changed = true
+        evicted = 1
+      end
+    until cursor == '0'
+  end
+end -- step_holders

@@ -2,14 +2,15 @@
 -- classes first: waiters admitted, queued, and the retry hint.
 
 -- Admit waiters, each class in arrival order while its oldest fits; forget waiters that
--- stopped answering (and any whose liveness entry is gone).
-local granted = {}
+-- stopped answering (and any whose liveness entry is gone). `granted`: the token of each
+-- member granted by this call.
+local granted
 -- The line's first few (by class, then arrival): whether anyone waits, and the first class's
 -- head, so most calls read the line once.
 -- (Numbers go to Redis as strings: one passed as it is costs a float's formatting, and so does
 -- `int`: the head's bounds are written out.)
 local HEAD, HEAD_LAST, HEAD_COUNT = 4, '3', '4'
-local firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
+local firsts
 -- A waiter's place in the line: its class's rank, or past every class (8 and up) when parked.
 -- Only a tenant's waiters park, so the others' place is in their names (a score read costs
 -- its formatting as a float and a parse back).
@@ -19,135 +20,150 @@ local function place(member)
   end
   return rank_of(level_of(member))
 end
-local waiting = #firsts > 0 and 1 or 0
--- The classes (by rank) whose oldest waiter still waits: a newcomer of one queues behind it.
-local waits_in = {}
-if waiting > 0 then
-  -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
-  if not alive_at or alive_at <= now then
-    local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', now_text)
-    for _, member in ipairs(gone) do
-      unqueue(member)
-      redis.call('ZREM', alive, member)
-    end
-    -- Every later deadline is a call's now + its patience: at least this one's.
-    alive_at = tonumber(redis.call('ZRANGE', alive, '0', '0', 'WITHSCORES')[2]) or now + patience
-    changed = true
-    if #gone > 0 then
-      firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
-    end
+-- Whether anyone waits (1) or not (0), and the classes (by rank) whose oldest waiter still
+-- waits: a newcomer of one queues behind it.
+local waiting, waits_in
+-- The processes whose waiters are passed over (by tag), and whether any was marked within a
+-- patience; the class served, its head as read so far, the next of it to look at, and how
+-- many of it were passed over.
+local silent, anyone_silent
+local rank, head, at, passed
+-- Whether the line was empty when this call began, until a waiter joins.
+local line_was_empty
+-- Each class in turn, highest first: its head read a few at a time, since a release usually
+-- admits one waiter and finds the next one not fitting, which one read answers. Every
+-- member read is taken out of the line or passed over before the next read, so a read
+-- always starts just after those passed.
+local function next_in_line()
+  if at > #head then
+    head, at = redis.call('ZRANGEBYSCORE', queue, int(rank * RANK), '(' .. int((rank + 1) * RANK),
+      'LIMIT', int(passed), HEAD_COUNT), 1
   end
-  -- Each class in turn, highest first: its head read a few at a time, since a release usually
-  -- admits one waiter and finds the next one not fitting, which one read answers. Every
-  -- member read is taken out of the line or passed over before the next read, so a read
-  -- always starts just after those passed.
-  local silent = {}
-  local anyone_silent = still_silent(silent_at)
-  local rank, head, at, passed = nil, {}, 1, 0
-  local function next_in_line()
-    if at > #head then
-      head, at = redis.call('ZRANGEBYSCORE', queue, int(rank * RANK), '(' .. int((rank + 1) * RANK),
-        'LIMIT', int(passed), HEAD_COUNT), 1
+  at = at + 1
+  return head[at - 1]
+end
+-- Waiters of a silent process keep their place but are passed over (at most 64 a call, so
+-- a frozen process with a long line costs a bounded read).
+local function oldest()
+  local member = next_in_line()
+  while member do
+    local tag = string.sub(member, 1, 8)
+    if silent[tag] == nil then
+      -- (No read while no process was marked within a patience.)
+      silent[tag] = anyone_silent and still_silent(tonumber(redis.call('HGET', meta, 's:' .. tag)))
     end
-    at = at + 1
-    return head[at - 1]
+    if not silent[tag] then
+      return member
+    end
+    if passed >= 64 then
+      return nil
+    end
+    passed = passed + 1
+    member = next_in_line()
   end
-  -- Waiters of a silent process keep their place but are passed over (at most 64 a call, so
-  -- a frozen process with a long line costs a bounded read).
-  local function oldest()
-    local member = next_in_line()
-    while member do
-      local tag = string.sub(member, 1, 8)
-      if silent[tag] == nil then
-        -- (No read while no process was marked within a patience.)
-        silent[tag] = anyone_silent and still_silent(tonumber(redis.call('HGET', meta, 's:' .. tag)))
-      end
-      if not silent[tag] then
-        return member
-      end
-      if passed >= 64 then
-        return nil
-      end
-      passed = passed + 1
-      member = next_in_line()
-    end
-    return nil
+  return nil
+end
+-- The head of a class out of the line, with a provisional grant (unless its liveness entry
+-- is gone), announced to its process; its tenant's next waiter joins the line.
+local function admit(member, weight, lease, tenant)
+  redis.call('ZREM', queue, member)
+  local live = redis.call('ZREM', alive, member) == 1
+  if tenant then
+    left_line(member, tenant, 0)
   end
-  -- The head of a class out of the line, with a provisional grant (unless its liveness entry
-  -- is gone), announced to its process; its tenant's next waiter joins the line.
-  local function admit(member, weight, lease, tenant)
-    redis.call('ZREM', queue, member)
-    local live = redis.call('ZREM', alive, member) == 1
-    if tenant then
-      left_line(member, tenant, 0)
-    end
-    if not live then
-      return
-    end
-    local term = math.min(claim, math.max(math.floor(lease / 2), 1))
-    local token, deadline = grant(member, weight, lease, term, true)
-    granted[member] = token
-    -- On the channel of the member's process only (its id starts with the process's tag).
-    redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
-      string.format('%s %d %d', member, token, deadline))
+  if not live then
+    return
   end
-  rank = firsts[1] and place(firsts[1])
-  -- The first class's members among the first few are its head's first read.
-  for _, member in ipairs(firsts) do
-    if place(member) == rank then
-      table.insert(head, member)
-    end
-  end
-  waiting = 0
-  while rank and rank <= 7 do
-    while true do
-      local member = oldest()
-      local level = rank_of(rank)
-      while member and parse(member) > most(level, tenant_of(member)) do
-        -- Heavier than its class (or tenant) may ever hold under the limit now in force: it
-        -- would block the line for ever. Dropped, it learns at its next refresh and is refused.
+  local term = math.min(claim, math.max(math.floor(lease / 2), 1))
+  local token, deadline = grant(member, weight, lease, term, true)
+  granted[member] = token
+  -- On the channel of the member's process only (its id starts with the process's tag).
+  redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
+    string.format('%s %d %d', member, token, deadline))
+end
+
+-- The line served: whoever fits admitted, waiters gone dropped.
+local function step_line()
+  granted = {}
+  firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
+  waiting = #firsts > 0 and 1 or 0
+  waits_in = {}
+  if waiting > 0 then
+    -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
+    if not alive_at or alive_at <= now then
+      local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', now_text)
+      for _, member in ipairs(gone) do
         unqueue(member)
-        member = oldest()
+        redis.call('ZREM', alive, member)
       end
-      if not member then
-        break
+      -- Every later deadline is a call's now + its patience: at least this one's.
+      alive_at = tonumber(redis.call('ZRANGE', alive, '0', '0', 'WITHSCORES')[2]) or now + patience
+      changed = true
+      if #gone > 0 then
+        firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
       end
-      local weight, lease = parse(member)
-      local tenant = tenant_of(member)
-      local fit = room(level, weight, tenant)
-      if fit == 'tenant' then
-        -- Its tenant holds all it may: passed over, as a silent process's waiters are.
-        waiting = 1
-        if passed >= 64 then
+    end
+    silent = {}
+    anyone_silent = still_silent(silent_at)
+    rank, head, at, passed = nil, {}, 1, 0
+    rank = firsts[1] and place(firsts[1])
+    -- The first class's members among the first few are its head's first read.
+    for _, member in ipairs(firsts) do
+      if place(member) == rank then
+        table.insert(head, member)
+      end
+    end
+    waiting = 0
+    while rank and rank <= 7 do
+      while true do
+        local member = oldest()
+        local level = rank_of(rank)
+        while member and parse(member) > most(level, tenant_of(member)) do
+          -- Heavier than its class (or tenant) may ever hold under the limit now in force: it
+          -- would block the line for ever. Dropped, it learns at its next refresh and is refused.
+          unqueue(member)
+          member = oldest()
+        end
+        if not member then
           break
         end
-        passed = passed + 1
-      elseif not admits(level, weight, tenant) or not settled(lease) then
-        waiting = 1
-        waits_in[rank] = true
-        if fit ~= 'capped' then
-          blocked = blocked or rank
+        local weight, lease = parse(member)
+        local tenant = tenant_of(member)
+        local fit = room(level, weight, tenant)
+        if fit == 'tenant' then
+          -- Its tenant holds all it may: passed over, as a silent process's waiters are.
+          waiting = 1
+          if passed >= 64 then
+            break
+          end
+          passed = passed + 1
+        elseif not admits(level, weight, tenant) or not settled(lease) then
+          waiting = 1
+          waits_in[rank] = true
+          if fit ~= 'capped' then
+            blocked = blocked or rank
+          end
+          break
+        else
+          admit(member, weight, lease, tenant)
         end
-        break
-      else
-        admit(member, weight, lease, tenant)
       end
+      if blocked and not shares then
+        -- Without shares nothing of a lower class fits where this one does not.
+        break
+      end
+      local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf',
+        'LIMIT', '0', '1')[1]
+      rank = after and place(after)
+      head, at, passed = {}, 1, 0
     end
-    if blocked and not shares then
-      -- Without shares nothing of a lower class fits where this one does not.
-      break
-    end
-    local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf',
-      'LIMIT', '0', '1')[1]
-    rank = after and place(after)
-    head, at, passed = {}, 1, 0
   end
-end
+  line_was_empty = waiting == 0
+end -- step_line
 
 -- The line's keys expire after the latest waiter's deadline (`line`, kept in meta), pushed half
 -- a patience further each time, so most joins and touches need no PEXPIREAT; a line created by
 -- this call always gets one.
-local line_was_empty = waiting == 0
 local function wait(member)
   local deadline = now + patience
   redis.call('ZADD', alive, int(deadline), member)

@@ -8,7 +8,7 @@
 -- tenant's next request. The set holds one entry per waiter of a tenant and expires with the
 -- line.
 
-local tenants = KEYS[7]
+local tenants
 local PARKED = 8 * RANK
 
 -- `<rank><tenant>` of a member of a tenant.
@@ -103,7 +103,7 @@ end
 -- A parked waiter (at `score`) whose tenant has no head standing (its head left unseen: keys
 -- expired or evicted) would wait for ever: its tenant's oldest parked one is made head, or
 -- itself when the index lost it too.
-local healthy = {}
+local healthy
 local function heal(member, tenant, score)
   local line_of = tenant_line(member, tenant)
   if healthy[line_of] then
@@ -127,3 +127,8 @@ local function heal(member, tenant, score)
     redis.call('PEXPIREAT', tenants, int(math.max(line, now + patience)))
   end
 end
+
+local function step_tenants()
+  tenants = KEYS[7]
+  healthy = {}
+end -- step_tenants
