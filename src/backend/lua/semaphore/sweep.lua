@@ -116,9 +116,12 @@ local function step_sweep()
   end
   -- The counter is never trusted over the members it counts: when `meta` or `holders` went
   -- missing behind our back (eviction, a stray DEL, a TTL), the sum is rebuilt from the members,
-  -- and their keys get a TTL again. (Whole keys go; the earliest read tells whether any holder
-  -- is left.)
-  if used == nil or (count > 0) ~= (earliest[1] ~= nil) then
+  -- and their keys get a TTL again. Whole keys go, and the earliest read tells whether any
+  -- holder is left; once a second the count is checked against the members too (a call that
+  -- failed half-way, an ACL refusing a command after a write, leaves them apart).
+  local card = used and seen and math.floor(now / 1000) ~= math.floor(seen / 1000)
+    and redis.call('ZCARD', holders)
+  if used == nil or (count > 0) ~= (earliest[1] ~= nil) or (card and card ~= count) then
     local members = redis.call('ZRANGE', holders, 0, -1)
     used, count = 0, #members
     for level = 0, 7 do
