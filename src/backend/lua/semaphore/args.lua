@@ -152,6 +152,13 @@ local function facts_of(member)
     return known
   end
   local at = string.find(member, ':', 1, true) or #member + 1
+  -- (Most members are plain, `<id>:<weight>:<lease>`: one match says so.)
+  local weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
+  if weight then
+    known = {weight + 0, lease + 0, 4, nil, false}
+    facts[member] = known
+    return known
+  end
   local level, tenant, pool = 4, nil, false
   local colon, kind, digit = string.byte(member, at, at + 2)
   if colon == 58 and kind == 99 and digit and digit >= 48 and digit <= 55
@@ -169,7 +176,7 @@ local function facts_of(member)
   if colon == 58 and kind == 112 and string.byte(member, at + 2) == 58 then
     pool, at = true, at + 2
   end
-  local weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
+  weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
   -- (Digits, or nil: arithmetic reads them with one parse where `tonumber` takes two.)
   known = {weight and weight + 0 or 0, lease and lease + 0 or 0, level, tenant, pool}
   facts[member] = known
