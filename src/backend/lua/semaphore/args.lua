@@ -248,11 +248,16 @@ local function step_args()
   holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
   procs = KEYS[6]
   op, channel, publisher = ARGV[1], ARGV[2], ARGV[3]
-  -- The caller's limit, then `|` and its classes' shares when it has any.
-  local limit_text, initial
-  limit_text, caller_shares = string.match(ARGV[4], '^([^|]*)|?(.*)$')
-  initial, adapt_min, adapt_max = string.match(limit_text, '^(%d+)/(%d+)/(%d+)$')
-  limit = tonumber(initial or limit_text)
+  -- The caller's limit, then `|` and its classes' shares when it has any (most callers send
+  -- a plain number: no pattern for it).
+  limit = tonumber(ARGV[4])
+  caller_shares, adapt_min, adapt_max = '', nil, nil
+  if not limit then
+    local limit_text, initial
+    limit_text, caller_shares = string.match(ARGV[4], '^([^|]*)|?(.*)$')
+    initial, adapt_min, adapt_max = string.match(limit_text, '^(%d+)/(%d+)/(%d+)$')
+    limit = tonumber(initial or limit_text)
+  end
   patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
   promotion_fence = tonumber(ARGV[7])
   caller, caller_name = string.sub(ARGV[8], 1, 8), string.sub(ARGV[8], 10)

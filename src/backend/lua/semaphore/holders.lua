@@ -51,14 +51,16 @@ local function extend(member)
   return deadline
 end
 
--- How many of the members to release held or waited; whether an operator's evict removed one.
-local removed, evicted
+-- How many of the members to release held or waited, and which they are; whether an
+-- operator's evict removed one.
+local removed, released_now, evicted
 
 -- The members this call releases, and an operator's evict.
 local function step_holders()
-  removed = 0
+  removed, released_now = 0, {}
   for i = 10, args - 1 do
     local member, overloaded, held, n = released_member(ARGV[i])
+    released_now[member] = true
     if member == '' then
       -- Holds that ended in a prefetch pool: samples, nothing to release.
       if held then

@@ -10,11 +10,7 @@ local function step_operate()
     -- Several acquires of one process may share a call; each is decided in turn, in arrival
     -- order, as if made alone. One released by this very call was cancelled by its caller
     -- meanwhile: it is not added.
-    local cancelled = {}
-    for i = 10, args - 1 do
-      local member = released_member(ARGV[i])
-      cancelled[member] = true
-    end
+    local cancelled = released_now
     -- A rate limit (KEYS[8]) decided with each acquire that would be granted at once.
     local rated = KEYS[8] ~= nil and KEYS[8] ~= promoted_key
     local rate, period, burst
