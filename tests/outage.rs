@@ -616,24 +616,9 @@ async fn a_user_without_functions_gets_everything_through_scripts() {
     let (server, url) = with_user("~* &* +@all -function").await;
     holds_waits_is_handed_a_slot_and_is_rate_limited(&url).await;
     assert_eq!(
-        libraries_at(&format!("redis://127.0.0.1:{}", server.port)).await,
+        support::libraries_at(&format!("redis://127.0.0.1:{}", server.port)).await,
         0
     );
-}
-
-/// How many function libraries the server at `url` has.
-async fn libraries_at(url: &str) -> usize {
-    let mut conn = redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let libraries: Vec<redis::Value> = redis::cmd("FUNCTION")
-        .arg("LIST")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    libraries.len()
 }
 
 /// A server without functions at all, as Redis 6 is (FCALL unknown): the calls go as scripts.
@@ -648,7 +633,7 @@ async fn a_server_without_functions_gets_everything_through_scripts() {
     let url = format!("redis://127.0.0.1:{}", server.port);
     holds_waits_is_handed_a_slot_and_is_rate_limited(&url).await;
     assert_eq!(
-        libraries_at(&url).await,
+        support::libraries_at(&url).await,
         0,
         "nothing loaded where it cannot run"
     );

@@ -915,16 +915,8 @@ async fn the_library_is_loaded_again_after_function_flush() {
         .limit(1)
         .build(redis.backend().await)
         .unwrap();
-    let libraries = || async {
-        let list: Vec<redis::Value> = redis::cmd("FUNCTION")
-            .arg("LIST")
-            .query_async(&mut redis.conn().await)
-            .await
-            .unwrap();
-        list.len()
-    };
     sem.acquire().await.unwrap().release().await.unwrap();
-    assert_eq!(libraries().await, 1);
+    assert_eq!(support::libraries_at(&redis.url).await, 1);
     let _: () = redis::cmd("FUNCTION")
         .arg("FLUSH")
         .query_async(&mut redis.conn().await)
@@ -936,7 +928,7 @@ async fn the_library_is_loaded_again_after_function_flush() {
         .await
         .expect("a missing function is answered by loading it");
     permit.release().await.unwrap();
-    assert_eq!(libraries().await, 1);
+    assert_eq!(support::libraries_at(&redis.url).await, 1);
     assert!(support::command_calls_at(&redis.url, "fcall").await > calls);
     assert_eq!(support::command_calls_at(&redis.url, "evalsha").await, 0);
 }

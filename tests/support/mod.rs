@@ -187,6 +187,21 @@ pub async fn script_calls_at(url: &str) -> u64 {
     calls
 }
 
+/// How many function libraries the server at `url` has (FUNCTION LIST).
+pub async fn libraries_at(url: &str) -> usize {
+    let mut conn = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let libraries: Vec<redis::Value> = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    libraries.len()
+}
+
 /// How many times the server at `url` ran the command `name` (lower case) so far (INFO
 /// commandstats).
 pub async fn command_calls_at(url: &str, name: &str) -> u64 {
