@@ -5,7 +5,7 @@ use std::future::Future;
 use std::process::Stdio;
 use std::time::Duration;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -119,9 +119,12 @@ pub async fn long_lived(nodes: &[Redis]) {
 /// A redis-server started with arguments of the test's own (TLS, replication, ...) on a free
 /// loopback port, in a temporary directory; killed, and its directory removed, when dropped.
 pub struct RedisProcess {
-    _child: Child,
+    child: Child,
     pub port: u16,
     pub dir: PathBuf,
+    /// What it was started with, to start it again.
+    env: Vec<(String, std::ffi::OsString)>,
+    args: Vec<String>,
 }
 
 impl RedisProcess {
@@ -139,12 +142,44 @@ impl RedisProcess {
         let dir = std::env::temp_dir().join(format!("dlimit-redis-{}", fastrand::u64(..)));
         std::fs::create_dir_all(&dir).unwrap();
         let port = free_port();
+        let env: Vec<(String, std::ffi::OsString)> = (env.iter())
+            .map(|(name, value)| (name.to_string(), value.to_os_string()))
+            .collect();
+        let args = args(port, &dir);
+        let child = RedisProcess::spawn(&env, port, &dir, &args).await;
+        RedisProcess {
+            child,
+            port,
+            dir,
+            env,
+            args,
+        }
+    }
+
+    /// Kills the server (see [`RedisProcess::start_again`]).
+    pub async fn kill_for_restart(&mut self) {
+        self.child.kill().await.unwrap();
+    }
+
+    /// Starts the server again after [`RedisProcess::kill_for_restart`], on the same port and
+    /// directory with the same arguments: with persistence, it comes back with its data.
+    pub async fn start_again(&mut self) {
+        self.child = RedisProcess::spawn(&self.env, self.port, &self.dir, &self.args).await;
+    }
+
+    /// The server, once `port` accepts connections.
+    async fn spawn(
+        env: &[(String, std::ffi::OsString)],
+        port: u16,
+        dir: &Path,
+        args: &[String],
+    ) -> Child {
         let child = Command::new("redis-server")
-            .envs(env.iter().copied())
+            .envs(env.iter().map(|(name, value)| (name, value)))
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
-            .arg(&dir)
-            .args(args(port, &dir))
+            .arg(dir)
+            .args(args)
             .stdout(Stdio::null())
             .kill_on_drop(true)
             .spawn()
@@ -159,16 +194,12 @@ impl RedisProcess {
             },
         )
         .await;
-        RedisProcess {
-            _child: child,
-            port,
-            dir,
-        }
+        child
     }
 
     /// The process id, for SIGSTOP / SIGCONT.
     pub fn pid(&self) -> u32 {
-        self._child.id().expect("running")
+        self.child.id().expect("running")
     }
 }
 

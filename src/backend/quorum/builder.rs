@@ -237,6 +237,7 @@ impl QuorumBackendBuilder {
                     conn: ConnectionManager::new_lazy_with_config(client, config.clone())?,
                     health: Health::new(label, bound),
                     hub: Arc::downgrade(&hub),
+                    back: tokio::sync::watch::Sender::new(0),
                 }))
             })
             .collect::<RedisResult<Vec<_>>>()

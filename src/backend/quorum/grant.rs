@@ -149,14 +149,23 @@ impl QuorumSemaphore {
             .filter(|valid| !valid.is_zero())
     }
 
-    /// Releases `member`'s slots on every node.
+    /// Releases `member`'s slots on every node; a node down meanwhile is sent the release
+    /// once it is back (`owe`).
     pub(super) async fn give_back(&self, member: &Member) {
         let Some(slots) = lock(&self.held).remove(&member.text) else {
             return;
         };
         let mut args = vec![member.text.to_string()];
         args.extend(slots.iter().map(u32::to_string));
-        self.on_all("release", &args).await;
+        let answers = self.on_all("release", &args).await;
+        // (A node that was up and late got the release; it runs when the node answers.)
+        let missed: Vec<usize> = (answers.iter().enumerate())
+            .filter(|&(node, answer)| answer.is_none() && !self.shared.nodes[node].health.is_up())
+            .map(|(node, _)| node)
+            .collect();
+        if !missed.is_empty() {
+            self.owe(&missed, &args, Instant::now() + member.lease);
+        }
     }
 }
 

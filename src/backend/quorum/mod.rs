@@ -85,6 +85,7 @@ use std::time::Duration;
 mod builder;
 mod grant;
 mod node;
+mod owed;
 mod semaphore;
 mod store;
 

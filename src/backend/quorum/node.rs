@@ -7,6 +7,8 @@ use futures_util::future::join_all;
 use redis::RedisResult;
 use redis::aio::ConnectionManager;
 
+use tokio::sync::watch;
+
 use crate::backend::health::{Health, Reconnect};
 use crate::backend::redis::announce::Channels;
 use crate::waitlist::Hub;
@@ -17,6 +19,8 @@ pub(super) struct Node {
     pub(super) health: Health,
     /// Where the waiters are, told when the node answers again.
     pub(super) hub: Weak<Hub>,
+    /// Ticks each time the node answers again, for the releases it missed (`owed.rs`).
+    pub(super) back: watch::Sender<u64>,
 }
 
 impl Reconnect for Node {
@@ -31,6 +35,7 @@ impl Reconnect for Node {
     }
 
     fn reconnected(&self) {
+        self.back.send_modify(|n| *n += 1);
         // A node back may make a majority again: the waiters try now.
         if let Some(hub) = self.hub.upgrade() {
             hub.touch_everyone();

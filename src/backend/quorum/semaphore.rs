@@ -10,6 +10,7 @@ use futures_util::stream::FuturesUnordered;
 use redis::{Script, Value};
 use tokio::time::Instant;
 
+use super::owed::Owed;
 use super::{Nodes, QuorumBackend};
 use crate::backend::health;
 use crate::backend::redis::CALLS;
@@ -54,6 +55,7 @@ impl Open for QuorumBackend {
                 channel,
                 limit,
                 held: Mutex::default(),
+                owed: Mutex::default(),
             }),
             waitlist,
         }
@@ -90,6 +92,8 @@ pub(super) struct QuorumSemaphore {
     limit: u32,
     /// The slots of each member this process holds (or is taking).
     pub(super) held: Mutex<HashMap<Arc<str>, Vec<u32>>>,
+    /// Releases nodes missed while down, sent when each is back.
+    pub(super) owed: Mutex<Owed>,
 }
 
 /// One node's answer, or none (failed or too slow).
