@@ -496,3 +496,47 @@ async fn a_busy_server_is_waited_for_within_the_acquire_timeout() {
     drop(permit);
     assert!(endless.await.unwrap().is_err(), "the script was killed");
 }
+
+/// The library flushed (`FUNCTION FLUSH`) every 30 ms under load from two backends: every call
+/// that finds it missing loads it again, the limit holds, and nobody fails or waits out its
+/// timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_flushed_under_load_is_loaded_again_and_the_limit_holds() {
+    let redis = Redis::start().await;
+    let tally = Tally::default();
+    let mut tasks = Vec::new();
+    for _ in 0..2 {
+        let sem = Semaphore::builder("flushed")
+            .limit(3)
+            .acquire_timeout(Duration::from_secs(10))
+            .build(redis.backend().await)
+            .unwrap();
+        for _ in 0..10 {
+            let (sem, tally) = (sem.clone(), tally.clone());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..20 {
+                    let permit = sem.acquire().await?;
+                    tally.hold(permit, Duration::from_millis(2)).await;
+                }
+                Ok::<_, tower_distributed_limit::Error>(())
+            }));
+        }
+    }
+    let mut conn = redis.conn().await;
+    let mut flushes = 0;
+    while tasks.iter().any(|task| !task.is_finished()) {
+        let _: () = redis::cmd("FUNCTION")
+            .arg("FLUSH")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        flushes += 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    for task in tasks {
+        task.await.unwrap().unwrap();
+    }
+    assert!(flushes >= 3, "the run ended before {flushes} flushes");
+    let most = tally.most.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(most <= 3, "{most} held at once under a limit of 3");
+}
