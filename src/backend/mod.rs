@@ -8,6 +8,7 @@
 mod gcra;
 mod health;
 mod memory;
+mod owed;
 mod quorum;
 mod redis;
 mod store;

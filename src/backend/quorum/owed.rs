@@ -9,10 +9,8 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use super::semaphore::QuorumSemaphore;
+use crate::backend::owed;
 use crate::sync::lock;
-
-/// The most releases kept for nodes that are down, per semaphore (the oldest go first).
-const AT_MOST: usize = 10_000;
 
 /// A release one node did not get: the `release` arguments, until the lease would end.
 struct Release {
@@ -44,13 +42,6 @@ impl QuorumSemaphore {
         let mut owed = lock(&self.owed);
         owed.releases.retain(|release| release.until > now);
         for &node in nodes {
-            if owed.releases.len() >= AT_MOST {
-                owed.releases.remove(0);
-                tracing::warn!(
-                    "more than {AT_MOST} releases owed to quorum nodes that are down: the \
-                     oldest is dropped (its slots free when its lease ends)"
-                );
-            }
             owed.releases.push(Release {
                 node,
                 args: args.to_vec(),
@@ -60,6 +51,7 @@ impl QuorumSemaphore {
                 runtime.spawn(pay_when_back(me.clone(), node));
             }
         }
+        owed::bound(&mut owed.releases);
     }
 }
 

@@ -15,6 +15,7 @@ use super::keys::{hash_tag, slot_tag};
 use super::script::{Lua, invoke};
 use super::{Connection, RedisBackend};
 use crate::backend::gcra::{RateKey, Rated};
+use crate::backend::owed;
 use std::fmt::Write;
 
 use crate::RateDecision;
@@ -50,10 +51,6 @@ const NAME_EVERY: Duration = Duration::from_secs(30);
 
 /// The most members one call renews or refreshes, so a long list never blocks Redis for long.
 const BATCH: usize = 1000;
-
-/// The most releases kept for a server that cannot be reached (the oldest go first): a
-/// process's waiters are bounded the same way (`max_waiters`).
-const OWED: usize = 10_000;
 
 impl Open for RedisBackend {
     fn open(
@@ -127,7 +124,7 @@ struct Outbox {
     flush_pending: bool,
     /// Releases whose call failed because the server could not be reached: every later call
     /// carries them, and a task sends them once the server answers again, until their leases
-    /// would have ended anyway (at most [`OWED`]). Without this, a slot given back during an
+    /// would have ended anyway (at most `owed::AT_MOST`). Without this, a slot given back during an
     /// outage stays taken for a whole lease after it.
     owed: Vec<Owed>,
     /// A task waits for the server to answer again, to send `owed`.
@@ -910,15 +907,7 @@ impl Carried<'_> {
                 until: now + lease,
             })
         }));
-        let excess = owed.len().saturating_sub(OWED);
-        if excess > 0 {
-            owed.drain(..excess);
-            tracing::warn!(
-                dropped = excess,
-                "more releases wait for Redis than are kept: the oldest free when their \
-                 leases end"
-            );
-        }
+        owed::bound(owed);
         drop(outbox);
         self.semaphore.flush_once_answered();
     }
