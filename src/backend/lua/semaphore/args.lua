@@ -102,7 +102,10 @@
 -- Loaded as a function library (FUNCTION LOAD) where the server allows it, its definitions are
 -- made once per server, and `run` (ops.lua) is each call; else it goes as a script, each
 -- `step_*` body inlined where it stands (script.rs). Every part declares its per-call state at
--- its top and sets all of it in its `step_*` function, so no call sees another's.
+-- its top and sets all of it in its `step_*` function, so no call sees another's. Two things
+-- outlive a call, neither of them state: what members say of themselves (`facts_of`, a
+-- function of the text alone, bounded) and one empty table calls without shares only read
+-- (`NONE`, classes.lua).
 local KEYS, ARGV
 local holders, meta, queue, alive, since, procs
 local op, channel, publisher
@@ -142,20 +145,29 @@ local function widen(key, hash)
   end
 end
 
--- What a member says of itself, read once per call (patterns cost more than the rest of
--- most steps, and a member meets several): {weight, lease, class level (4 without `:c`),
--- tenant (nil without `:t`), pooled (`:p`)}. A malformed member weighs 0.
-local facts
+-- What a member says of itself: {weight, lease, class level (4 without `:c`), tenant (nil
+-- without `:t`), pooled (`:p`), its process's tag (its first 8 characters)}. A malformed
+-- member weighs 0. Patterns cost more than the rest of most steps, and a member meets several
+-- calls (it joins, heads the line, is admitted, is released): what each member says is kept
+-- across calls (it depends on its text alone), and forgotten wholesale once 1 000 are kept, so
+-- the memory stays bounded whatever members are sent. (Sent as a script, each call starts with
+-- none.)
+local facts, facts_kept = {}, 0
 local function facts_of(member)
   local known = facts[member]
   if known then
     return known
   end
+  if facts_kept >= 1000 then
+    facts, facts_kept = {}, 0
+  end
+  facts_kept = facts_kept + 1
+  local tag = string.sub(member, 1, 8)
   local at = string.find(member, ':', 1, true) or #member + 1
   -- (Most members are plain, `<id>:<weight>:<lease>`: one match says so.)
   local weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
   if weight then
-    known = {weight + 0, lease + 0, 4, nil, false}
+    known = {weight + 0, lease + 0, 4, nil, false, tag}
     facts[member] = known
     return known
   end
@@ -178,7 +190,7 @@ local function facts_of(member)
   end
   weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
   -- (Digits, or nil: arithmetic reads them with one parse where `tonumber` takes two.)
-  known = {weight and weight + 0 or 0, lease and lease + 0 or 0, level, tenant, pool}
+  known = {weight and weight + 0 or 0, lease and lease + 0 or 0, level, tenant, pool, tag}
   facts[member] = known
   return known
 end
@@ -210,6 +222,11 @@ end
 -- Whether a member's slot may sit idle in its process's prefetch pool (`:p`, after the id).
 local function pooled(member)
   return facts_of(member)[5]
+end
+
+-- The tag of a member's process (the first 8 hex digits of its id).
+local function tag_of(member)
+  return facts_of(member)[6]
 end
 
 local function left(deadline)
@@ -271,7 +288,6 @@ local function step_args()
   now = math.floor(now_us / 1000)
   -- (Written once: several commands of a call carry it.)
   now_text = int(now)
-  facts = {}
 end -- step_args
 
 -- The semaphore's state as stored, and the limit in force.

@@ -143,6 +143,11 @@ local function class_fields(fields)
   end
 end
 
+-- What a call without shares (or without a tenant cap) has in place of the tables above: it
+-- only reads them (every write is behind `shares` or `tenant_cap`), so one empty table, made
+-- once, serves every such call. (A write would be seen by later calls: keep them behind.)
+local NONE = {}
+
 -- The shares in force and what each class (and tenant) holds.
 local function step_classes()
   if arrived >= RANK then
@@ -154,8 +159,10 @@ local function step_classes()
   elseif not stored_limit and caller_shares ~= '' then
     shares = caller_shares
   end
-  reserved, at_most, in_class, held_changed = {}, {}, {}, false
+  held_changed = false
+  reserved, at_most, in_class = NONE, NONE, NONE
   if shares then
+    reserved, at_most, in_class = {}, {}, {}
     for level, kind, n in string.gmatch(shares, '(%d)([rm])(%d+)') do
       if kind == 'r' then
         reserved[tonumber(level)] = tonumber(n)
@@ -169,6 +176,9 @@ local function step_classes()
     end
   end
   tenant_cap = shares and tonumber(string.match(shares, 'tm(%d+)'))
-  tenant_held, tenant_dirty = {}, {}
+  tenant_held, tenant_dirty = NONE, NONE
+  if tenant_cap then
+    tenant_held, tenant_dirty = {}, {}
+  end
   blocked = nil
 end -- step_classes

@@ -49,7 +49,7 @@ end
 local function oldest()
   local member = next_in_line()
   while member do
-    local tag = string.sub(member, 1, 8)
+    local tag = tag_of(member)
     if silent[tag] == nil then
       -- (No read while no process was marked within a patience.)
       silent[tag] = anyone_silent and still_silent(tonumber(redis.call('HGET', meta, 's:' .. tag)))
@@ -80,7 +80,7 @@ local function admit(member, weight, lease, tenant)
   local token, deadline = grant(member, weight, lease, term, true)
   granted[member] = token
   -- On the channel of the member's process only (its id starts with the process's tag).
-  redis.call(publisher, channel .. ':' .. string.sub(member, 1, 8),
+  redis.call(publisher, channel .. ':' .. tag_of(member),
     string.format('%s %d %d', member, token, deadline))
 end
 

@@ -54,7 +54,7 @@ local function step_sweep()
     for i = 1, #entries, 2 do
       table.insert(expired, entries[i])
       if tonumber(entries[i + 1]) % 1 ~= 0 then
-        table.insert(silenced, 's:' .. string.sub(entries[i], 1, 8))
+        table.insert(silenced, 's:' .. tag_of(entries[i]))
       end
     end
     redis.call('ZREMRANGEBYSCORE', holders, '-inf', until_now)
@@ -124,8 +124,10 @@ local function step_sweep()
   if used == nil or (count > 0) ~= (earliest[1] ~= nil) or (card and card ~= count) then
     local members = redis.call('ZRANGE', holders, 0, -1)
     used, count = 0, #members
-    for level = 0, 7 do
-      in_class[level] = 0
+    if shares then
+      for level = 0, 7 do
+        in_class[level] = 0
+      end
     end
     if tenant_cap then
       -- Every tenant's count is rebuilt too: those holding nothing lose their field.

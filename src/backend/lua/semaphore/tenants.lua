@@ -106,6 +106,7 @@ end
 local healthy
 local function heal(member, tenant, score)
   local line_of = tenant_line(member, tenant)
+  healthy = healthy or {}
   if healthy[line_of] then
     -- Checked by this call already (a touch carries every waiter of its process).
     return
@@ -130,5 +131,6 @@ end
 
 local function step_tenants()
   tenants = KEYS[7]
-  healthy = {}
+  -- (Made by the first heal of the call.)
+  healthy = nil
 end -- step_tenants
