@@ -13,7 +13,7 @@
 -- 2026 keeps it above every arrival before the counter was lost).
 local RANK = 281474976710656
 local function level_of(member)
-  return facts_of(member)[3]
+  return (facts[member] or learn(member))[3]
 end
 local function rank_of(level)
   return 7 - level
@@ -28,7 +28,7 @@ end
 local reserved, at_most, in_class, held_changed
 
 local function tenant_of(member)
-  return facts_of(member)[4]
+  return (facts[member] or learn(member))[4]
 end
 -- The per-tenant cap, and what each tenant read so far holds (`dirty`: changed by this call).
 local tenant_cap
