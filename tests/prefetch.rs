@@ -1,7 +1,8 @@
 //! Prefetched slots (`SemaphoreBuilder::prefetch`) against a real redis-server (two backends,
 //! as two processes would be, and real child processes) and in process: the limit exact
 //! under a hammer, acquires served without a round trip while nobody waits, a waiter elsewhere
-//! served from the unused slots, a frozen or killed prefetcher leaking nothing past its lease.
+//! served from the unused slots, a frozen or killed prefetcher leaking nothing past its lease,
+//! a pool cut off from Redis serving nothing past it.
 
 #[macro_use]
 mod support;
@@ -297,6 +298,51 @@ async fn a_killed_or_frozen_prefetcher_leaks_nothing_past_its_lease() {
         signal(child.id().unwrap(), "KILL");
         let _ = child.wait().await;
         support::wait_until_available(&sem, 4).await;
+    }
+}
+
+/// Redis gone (killed, as a partition looks from this process) with the pool full: the pool
+/// hands out only while its lease may still run on the server. A permit handed out after the
+/// kill learns it is lost by the lease's end, and once the lease may have ended no acquire is
+/// served from the pool (elsewhere the slots are free again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_cut_off_from_redis_serves_nothing_past_its_lease() {
+    let mut redis = support::Redis::start().await;
+    let sem = Semaphore::builder("cut-off")
+        .limit(4)
+        .prefetch(2)
+        .lease(Duration::from_secs(1))
+        .acquire_timeout(Duration::from_millis(200))
+        .build(redis.backend().await)
+        .unwrap();
+    drop(sem.acquire().await.unwrap());
+    eventually(Duration::from_secs(2), "the pool filled", || async {
+        let snapshot = sem.snapshot().await.unwrap();
+        snapshot.used == 2 && snapshot.holders.iter().all(|h| h.prefetched)
+    })
+    .await;
+    redis.kill();
+    // Every pooled slot was granted before this: its lease ends within 1 s from here.
+    let killed = tokio::time::Instant::now();
+    let from_pool = sem
+        .acquire()
+        .await
+        .expect("the pool serves within its lease");
+    tokio::time::timeout(Duration::from_secs(2), from_pool.lost())
+        .await
+        .expect("a permit from the pool never learned its lease was lost");
+    assert!(
+        killed.elapsed() <= Duration::from_millis(1200),
+        "learned {:?} after the kill, past the 1 s lease",
+        killed.elapsed()
+    );
+    let past = tokio::time::Instant::now() + Duration::from_millis(500);
+    while tokio::time::Instant::now() < past {
+        assert!(
+            sem.acquire().await.is_err(),
+            "served from a pool whose lease may have ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
