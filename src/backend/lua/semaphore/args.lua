@@ -103,9 +103,9 @@
 -- made once per server, and `run` (ops.lua) is each call; else it goes as a script, each
 -- `step_*` body inlined where it stands (script.rs). Every part declares its per-call state at
 -- its top and sets all of it in its `step_*` function, so no call sees another's. Two things
--- outlive a call, neither of them state: what members say of themselves (`facts`, a
--- function of the text alone, bounded) and one empty table calls without shares only read
--- (`NONE`, classes.lua).
+-- outlive a call, neither of them state: what members say of themselves (`facts`, each entry
+-- a function of the member's text alone, bounded) and one empty table calls without shares
+-- only read (`NONE`, classes.lua).
 local KEYS, ARGV
 local holders, meta, queue, alive, since, procs
 local op, channel, publisher
