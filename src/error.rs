@@ -105,9 +105,9 @@ pub enum Error {
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
 pub struct BackendError {
-    message: String,
+    pub(crate) message: String,
     #[source]
-    source: Option<Source>,
+    pub(crate) source: Option<Source>,
 }
 
 impl Error {

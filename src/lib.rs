@@ -93,7 +93,9 @@ pub use outage::OutagePolicy;
 pub use permit::Permit;
 pub use rate::{DistributedRateLimitLayer, RateLimiter, RateLimiterBuilder};
 pub use semaphore::{Semaphore, SemaphoreBuilder};
-pub use snapshot::{ClassSnapshot, Holder, Snapshot, TENANTS_SHOWN, TenantWaiting};
+pub use snapshot::{
+    ClassSnapshot, Holder, PROTOCOL_VERSION, ProtocolInUse, Snapshot, TENANTS_SHOWN, TenantWaiting,
+};
 
 /// The `http` crate this one is built with, for header names
 /// ([`PartitionsBuilder::key_header`](layer::PartitionsBuilder::key_header),

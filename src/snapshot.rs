@@ -36,7 +36,8 @@ pub struct Snapshot {
     /// The limit was set by an operator ([`Semaphore::set_limit`](crate::Semaphore::set_limit))
     /// and stays until [`unset_limit`](crate::Semaphore::unset_limit).
     pub pinned: bool,
-    /// Every live holder, longest-held first.
+    /// The live holders, longest-held first: every one, or on Redis the first 100 to end (a
+    /// bounded read; `used` counts them all).
     pub holders: Vec<Holder>,
     /// Each class that has a share, holds or waits, highest first (see
     /// [`SemaphoreBuilder::class`](crate::SemaphoreBuilder::class)).
@@ -45,6 +46,48 @@ pub struct Snapshot {
     /// Redis among the first 1 000 tenant waiters (bounded, whatever the line holds). Empty on
     /// a quorum, which does not serve tenants in turn.
     pub tenants_waiting: Vec<TenantWaiting>,
+    /// On Redis, how many of the processes that used the semaphore within the last hour speak
+    /// each protocol version, lowest first (builds before the version was told count as 1):
+    /// during a rolling deploy, two. Empty on the other backends.
+    pub protocols: Vec<ProtocolInUse>,
+}
+
+/// The version of the protocol this build speaks to Redis (the layout of a semaphore's keys,
+/// its members and its calls: docs/protocol.md). A build serves a semaphore beside processes
+/// of its own version and the one before, and refuses one kept by a newer version.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The processes of one protocol version, in a [`Snapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ProtocolInUse {
+    /// The version ([`PROTOCOL_VERSION`] is this build's).
+    pub version: u32,
+    /// How many processes speak it.
+    pub processes: u32,
+}
+
+impl ProtocolInUse {
+    /// Whether a process of this build serves beside processes of this version: its own
+    /// version, or the one before.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_distributed_limit::{PROTOCOL_VERSION, ProtocolInUse};
+    ///
+    /// assert!(ProtocolInUse::new(PROTOCOL_VERSION, 3).is_supported());
+    /// assert!(ProtocolInUse::new(PROTOCOL_VERSION - 1, 1).is_supported());
+    /// assert!(!ProtocolInUse::new(PROTOCOL_VERSION + 1, 1).is_supported());
+    /// ```
+    pub fn is_supported(&self) -> bool {
+        self.version + 1 >= PROTOCOL_VERSION && self.version <= PROTOCOL_VERSION
+    }
+
+    /// `processes` processes of protocol `version`.
+    pub fn new(version: u32, processes: u32) -> Self {
+        ProtocolInUse { version, processes }
+    }
 }
 
 /// How many tenants a [`Snapshot`] names at most.
@@ -78,20 +121,27 @@ pub struct TenantWaiting {
 }
 
 impl Snapshot {
-    /// Completes a backend's snapshot: each class's share (from `classes`) and weight held
-    /// (from the holders), beside the waiting counts the backend found (`waiting[level]`),
-    /// and the busiest of the tenants' waiting counts (`tenants`).
-    pub(crate) fn complete(
-        &mut self,
-        classes: &Classes,
-        waiting: [u32; 8],
-        tenants: impl IntoIterator<Item = (u64, u32)>,
-    ) {
+    /// The weight the listed holders hold, per class level: the backends that list every
+    /// holder count each class's weight with it.
+    pub(crate) fn weights(&self) -> [u32; 8] {
         let mut used = [0u32; 8];
         for holder in &self.holders {
             let level = usize::from(holder.class.level());
             used[level] = used[level].saturating_add(holder.weight);
         }
+        used
+    }
+
+    /// Completes a backend's snapshot: each class's share (from `classes`), beside the weight
+    /// held (`used[level]`, see [`Snapshot::weights`]) and the waiting counts the backend found
+    /// (`waiting[level]`), and the busiest of the tenants' waiting counts (`tenants`).
+    pub(crate) fn complete(
+        &mut self,
+        classes: &Classes,
+        used: [u32; 8],
+        waiting: [u32; 8],
+        tenants: impl IntoIterator<Item = (u64, u32)>,
+    ) {
         self.classes = (0..=Priority::MAX)
             .rev()
             .map(Priority::new)

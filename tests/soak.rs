@@ -169,6 +169,101 @@ async fn soak_redis_restarts() {
     soak(Config::from_env(15.0, true)).await;
 }
 
+/// A rolling deploy, upgrading: workers of the earlier build of `tests/compat/BASE` hold and
+/// wait on the semaphore first, then this build's join, and the client faults go on (freezes,
+/// kills and restarts of either build). Never above the limit, every call answered, meta
+/// bounded, both builds served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_in_a_rolling_deploy_keeps_the_limit() {
+    let _turn = SERIAL.lock().await;
+    let mut config = Config::from_env(15.0, false);
+    config.base = Some(base_build().await);
+    config.base_first = true;
+    soak(config).await;
+}
+
+/// The same the other way: this build's workers first, the earlier build's joining (a rollback).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_in_a_rolling_deploy_keeps_the_limit() {
+    let _turn = SERIAL.lock().await;
+    let mut config = Config::from_env(15.0, false);
+    config.base = Some(base_build().await);
+    soak(config).await;
+}
+
+/// The soak test binary of the commit `tests/compat/BASE` names, built once (in a worktree under
+/// `target/compat/`, with a target directory of its own) for every test of this run.
+async fn base_build() -> PathBuf {
+    static BUILT: tokio::sync::OnceCell<PathBuf> = tokio::sync::OnceCell::const_new();
+    BUILT
+        .get_or_init(|| async {
+            tokio::task::spawn_blocking(build_base)
+                .await
+                .expect("the build of the earlier version")
+        })
+        .await
+        .clone()
+}
+
+fn build_base() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let commit = std::fs::read_to_string(root.join("tests/compat/BASE"))
+        .expect("tests/compat/BASE names the earlier commit");
+    let commit = commit.trim();
+    let compat = root.join("target/compat");
+    let tree = compat.join(commit);
+    let run = |command: &mut std::process::Command, what: &str| {
+        let output = command.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(
+            output.status.success(),
+            "{what} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output.stdout
+    };
+    if !tree.join("Cargo.toml").exists() {
+        let git = || {
+            let mut git = std::process::Command::new("git");
+            git.current_dir(root);
+            git
+        };
+        // (A worktree whose folder was deleted is still registered until pruned.)
+        run(git().args(["worktree", "prune"]), "git worktree prune");
+        run(
+            git()
+                .args(["worktree", "add", "--force", "--detach"])
+                .arg(&tree)
+                .arg(commit),
+            &format!("git worktree add of {commit} (CI's clone has the history)"),
+        );
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = run(
+        std::process::Command::new(cargo)
+            .current_dir(&tree)
+            .env("CARGO_TARGET_DIR", compat.join("target"))
+            .args([
+                "test",
+                "--test",
+                "soak",
+                "--no-run",
+                "--message-format=json",
+            ]),
+        &format!("the build of {commit}'s soak test"),
+    );
+    // The test binary is the artifact with an executable (cargo's JSON messages, one a line).
+    String::from_utf8_lossy(&out)
+        .lines()
+        .filter(|line| {
+            line.contains("\"reason\":\"compiler-artifact\"") && line.contains("\"soak\"")
+        })
+        .find_map(|line| {
+            let (_, rest) = line.split_once("\"executable\":\"")?;
+            Some(PathBuf::from(rest.split_once('"')?.0))
+        })
+        .expect("cargo named the soak test binary of the earlier build")
+}
+
 /// The soak on the topology `DLIMIT_SOAK_TOPOLOGY` names (see the module docs): long, and
 /// with a Sentinel or Cluster of its own, so not part of the normal run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -262,6 +357,10 @@ struct Config {
     /// Sentinel and Cluster faults (not `single`: see `restarts`).
     redis_faults: bool,
     redis_fault_every: Duration,
+    /// A test binary of an earlier build (`tests/compat/BASE`): the odd slots' workers run it.
+    base: Option<PathBuf>,
+    /// With `base`: its workers start a second before this build's (else after).
+    base_first: bool,
 }
 
 impl Config {
@@ -292,6 +391,8 @@ impl Config {
                 env_flag("DLIMIT_SOAK_FAULTS", true),
             ),
             redis_fault_every: ms("DLIMIT_SOAK_REDIS_FAULT_EVERY_MS", 8000),
+            base: None,
+            base_first: false,
         }
     }
 }
@@ -723,10 +824,15 @@ struct Fleet<'a> {
 
 impl Fleet<'_> {
     fn spawn(&self, slot: usize, incarnation: usize) -> Worker {
-        let label = format!("w{slot}.{incarnation}");
+        // With an earlier build, the odd slots run it (its workers' logs end in `-base`).
+        let (exe, build) = match &self.config.base {
+            Some(base) if slot % 2 == 1 => (base.clone(), "-base"),
+            _ => (std::env::current_exe().unwrap(), ""),
+        };
+        let label = format!("w{slot}.{incarnation}{build}");
         let log = self.dir.join(format!("{label}.log"));
         let seed = self.config.seed ^ (((slot as u64) << 32) | incarnation as u64);
-        let child = Command::new(std::env::current_exe().unwrap())
+        let child = Command::new(exe)
             .args(["--ignored", "--exact", "child_process", "--nocapture"])
             .env(ROLE, "soak")
             .env(URL, &self.url)
@@ -1921,7 +2027,28 @@ async fn soak(config: Config) {
         unexpected: Vec::new(),
     };
     let fleet = Mutex::new(fleet);
-    {
+    if config.base.is_some() {
+        // A rolling deploy: one build's workers hold and wait first, the other's join.
+        let first = usize::from(config.base_first);
+        for turn in [first, 1 - first] {
+            {
+                let mut fleet = fleet.lock().unwrap();
+                for slot in (0..config.procs).filter(|slot| slot % 2 == turn) {
+                    let worker = fleet.spawn(slot, 0);
+                    fleet.workers.push(worker);
+                }
+            }
+            if turn == first {
+                sleep(Duration::from_secs(1)).await;
+            }
+        }
+        // (Kills replace a worker by its index: keep them by slot.)
+        fleet
+            .lock()
+            .unwrap()
+            .workers
+            .sort_by_key(|worker| worker.slot);
+    } else {
         let mut fleet = fleet.lock().unwrap();
         let workers = (0..config.procs).map(|slot| fleet.spawn(slot, 0)).collect();
         fleet.workers = workers;
@@ -1942,7 +2069,8 @@ async fn soak(config: Config) {
         }
     };
     let server = servers.faults(&config, end, &mut redis_rng);
-    let (mut faults, restarts) = tokio::join!(clients, server);
+    let (mut faults, restarts, meta_fields) =
+        tokio::join!(clients, server, meta_fields(&config, &urls, end));
     sleep_until(end).await;
     faults.extend(restarts);
     // One timeline: the client faults and the servers' interleaved.
@@ -1955,6 +2083,7 @@ async fn soak(config: Config) {
     servers.shutdown().await;
 
     let report = analyse(&config, &scratch.path, &faults, t0);
+    let builds = Builds::count(&scratch.path);
     let unexpected = std::mem::take(&mut fleet.unexpected);
     drop(fleet);
 
@@ -1981,7 +2110,7 @@ async fn soak(config: Config) {
          ({:.1}/s; lost at START {}, lost at END {}, no END {}) | faults: {} freezes, {} kills, \
          {} redis restarts{failover_faults} | acquire errors: {} | max concurrent {} | \
          violations {} (worst {}, {:.1} ms over the limit in all) | duplicate tokens {} | \
-         grants older than a lease at START {} | seed {}",
+         grants older than a lease at START {} | meta fields at most {} | {} | seed {}",
         elapsed.as_secs_f64(),
         config.procs,
         config.tasks,
@@ -2003,6 +2132,8 @@ async fn soak(config: Config) {
         report.over_limit_us as f64 / 1000.0,
         report.duplicate_tokens,
         report.stale_grants,
+        meta_fields.map_or("not read".to_owned(), |n| n.to_string()),
+        builds.summary(),
         config.seed,
     );
     println!("{}{summary}", report.details);
@@ -2031,6 +2162,110 @@ async fn soak(config: Config) {
         "more than {} holders at once: {} violations, up to {} holders (seed {})",
         config.limit, report.violations, report.worst, config.seed
     );
+    // Meta's fields: the counters and the limit, a silence mark per process at most, and a
+    // count per slot held (classes, tenants); an older build's leftovers cleaned.
+    let bound = 2 * config.limit as usize + config.procs + 4;
+    if let Some(fields) = meta_fields {
+        assert!(
+            fields <= bound,
+            "meta grew to {fields} fields (bound {bound})"
+        );
+    }
+    if config.base.is_some() {
+        // Both builds' waiters are served, none of them left to time out in a line that
+        // never reaches them.
+        for (build, holds, timeouts) in [
+            ("this build", builds.holds[0], builds.timeouts[0]),
+            ("the earlier build", builds.holds[1], builds.timeouts[1]),
+        ] {
+            assert!(
+                holds >= floor / 4,
+                "{build} held only {holds} times in {:.1} s: its waiters are not served",
+                config.secs
+            );
+            assert!(
+                timeouts * 20 <= holds,
+                "{build}: {timeouts} acquires timed out beside {holds} holds"
+            );
+        }
+    }
+}
+
+/// Each build's holds and acquire timeouts, from the workers' logs (an earlier build's end in
+/// `-base.log`).
+struct Builds {
+    holds: [usize; 2],
+    timeouts: [usize; 2],
+}
+
+impl Builds {
+    fn count(dir: &Path) -> Builds {
+        let mut builds = Builds {
+            holds: [0; 2],
+            timeouts: [0; 2],
+        };
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.ends_with(".log") {
+                continue;
+            }
+            let build = usize::from(name.ends_with("-base.log"));
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            for line in text.lines() {
+                if line.starts_with("S ") {
+                    builds.holds[build] += 1;
+                } else if line.starts_with("X ") && line.ends_with(" timeout") {
+                    builds.timeouts[build] += 1;
+                }
+            }
+        }
+        builds
+    }
+
+    fn summary(&self) -> String {
+        if self.holds[1] + self.timeouts[1] == 0 {
+            return "one build".to_owned();
+        }
+        format!(
+            "this build {} holds, {} timeouts; earlier build {} holds, {} timeouts",
+            self.holds[0], self.timeouts[0], self.holds[1], self.timeouts[1]
+        )
+    }
+}
+
+/// The most fields the semaphore's meta held, sampled every 100 ms until `end` (one server
+/// only: `None` on the other topologies).
+async fn meta_fields(config: &Config, urls: &[String], end: Instant) -> Option<usize> {
+    if config.topology != Topology::Single {
+        return None;
+    }
+    let client = redis::Client::open(urls[0].as_str()).ok()?;
+    let key = format!("dlimit:{{{NAME}}}:meta");
+    let mut most = 0;
+    while Instant::now() < end {
+        // (Redis restarting: tried again at the next sample.)
+        if let Ok(Ok(mut conn)) = timeout(
+            Duration::from_secs(1),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        {
+            while Instant::now() < end {
+                let Ok(Ok(fields)) = timeout(
+                    Duration::from_secs(1),
+                    redis::cmd("HLEN").arg(&key).query_async::<usize>(&mut conn),
+                )
+                .await
+                else {
+                    break;
+                };
+                most = most.max(fields);
+                sleep(Duration::from_millis(100)).await;
+            }
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
+    Some(most)
 }
 
 #[derive(Debug, Clone)]

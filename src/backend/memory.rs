@@ -649,8 +649,9 @@ impl Store for MemorySemaphore {
                 holders: holders.into_iter().map(|(_, holder)| holder).collect(),
                 classes: Vec::new(),
                 tenants_waiting: Vec::new(),
+                protocols: Vec::new(),
             };
-            snapshot.complete(&permits.classes, waiting, tenants);
+            snapshot.complete(&permits.classes, snapshot.weights(), waiting, tenants);
             snapshot
         });
         Box::pin(async move { Ok(snapshot) })

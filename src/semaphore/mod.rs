@@ -615,7 +615,7 @@ impl Semaphore {
         Ok(fallback)
     }
 
-    /// The limit minus the weight of live (unexpired) holders, across every process.
+    /// The limit in force minus the weight of live (unexpired) holders, across every process.
     ///
     /// # Errors
     ///
@@ -632,7 +632,10 @@ impl Semaphore {
             .used()
             .await
             .inspect_err(|_| self.inner.settings.telemetry.backend_error(Op::Used))?;
-        Ok(self.inner.settings.limit.saturating_sub(used))
+        // By the limit in force (pinned, adaptive, or stored by another process), as the
+        // store's last answer said, else this process's own.
+        let limit = (self.inner.origin.store.limit_in_force()).unwrap_or(self.inner.settings.limit);
+        Ok(limit.saturating_sub(used))
     }
 
     /// A weight of 0, or above any limit this process knows may be in force (its own, an

@@ -184,9 +184,10 @@ impl Store for QuorumSemaphore {
                 holders,
                 classes: Vec::new(),
                 tenants_waiting: Vec::new(),
+                protocols: Vec::new(),
             };
             // No shares on a quorum (refused at build), and no line it could count by class.
-            snapshot.complete(&Classes::default(), [0; 8], []);
+            snapshot.complete(&Classes::default(), snapshot.weights(), [0; 8], []);
             Ok(snapshot)
         })
     }

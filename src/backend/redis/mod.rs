@@ -23,6 +23,7 @@ mod errors;
 mod eviction;
 mod keys;
 mod node;
+mod protocol;
 mod rate;
 mod script;
 mod semaphore;

@@ -12,6 +12,10 @@ use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
 use super::keys::{hash_tag, slot_tag};
+use super::protocol::{
+    FULL, GRANTED, HOLDS, MAX_MEMBERS, MAX_RELEASES, NEWER, QUEUED, RATE_LIMITED, TOO_HEAVY,
+    UNKNOWN, WAITS,
+};
 use super::script::{Lua, invoke};
 use super::{Connection, RedisBackend};
 use crate::backend::gcra::{RateKey, Rated};
@@ -23,7 +27,7 @@ use crate::backend::store::{
     Attempt, Ending, Member, Mode, Opened, Samples, Store, process_tag, sealed::Open,
 };
 use crate::class::Classes;
-use crate::snapshot::{Holder, Snapshot};
+use crate::snapshot::{Holder, ProtocolInUse, Snapshot};
 use crate::sync::{BoxFuture, lock};
 use crate::waitlist::{ClockReading, PATIENCE, Refresh, Status};
 use crate::{AdaptiveLimit, Error};
@@ -31,6 +35,7 @@ use crate::{AdaptiveLimit, Error};
 /// Every operation on a semaphore, in one script.
 static SEMAPHORE: Lua = Lua::library(concat!(
     include_str!("../lua/gcra.lua"),
+    include_str!("../lua/semaphore/protocol.lua"),
     include_str!("../lua/semaphore/args.lua"),
     include_str!("../lua/semaphore/classes.lua"),
     include_str!("../lua/semaphore/tenants.lua"),
@@ -48,9 +53,6 @@ const STEP_US: i64 = 500_000;
 
 /// How often a process tells a semaphore its name (see `RedisBackendBuilder::process_name`).
 const NAME_EVERY: Duration = Duration::from_secs(30);
-
-/// The most members one call renews or refreshes, so a long list never blocks Redis for long.
-const BATCH: usize = 1000;
 
 impl Open for RedisBackend {
     fn open(
@@ -73,7 +75,7 @@ struct RedisSemaphore {
     me: Weak<RedisSemaphore>,
     /// Keeps the connection and the announcement hub alive as long as the semaphore.
     shared: Arc<Connection>,
-    keys: [String; 7],
+    keys: [String; 8],
     /// Through Sentinel: the server's promotion key (one per prefix) and the fence (see
     /// `Connection::promotion_fence`).
     promoted: Option<(String, Duration)>,
@@ -185,7 +187,7 @@ impl RedisSemaphore {
             me: me.clone(),
             shared: backend.shared.clone(),
             keys: [
-                "holders", "meta", "queue", "alive", "since", "procs", "tenants",
+                "holders", "meta", "queue", "alive", "since", "procs", "tenants", "versions",
             ]
             .map(|key| format!("{base}:{key}")),
             promoted: (backend.shared.promotion_fence)
@@ -273,7 +275,7 @@ impl RedisSemaphore {
         until: Option<Instant>,
         args: impl Fn(&mut Cmd, bool),
     ) -> Result<Value, Error> {
-        let (mut carried, echoed) = self.releases_for(op);
+        let (mut carried, echoed) = self.releases_for(op, usize::from(releasing.is_some()));
         let replicas = self
             .shared
             .replicas
@@ -337,6 +339,7 @@ impl RedisSemaphore {
             }
             _ => Ok(reply),
         });
+        let result = result.map_err(|e| self.explained(e));
         if let Err(e) = &result
             && carried.len() > 0
         {
@@ -350,10 +353,32 @@ impl RedisSemaphore {
         result
     }
 
-    /// The releases a call of `op` carries: those waiting to be sent (the call owns them), and
-    /// on a cluster, for an acquire, also those sent by other calls and not answered yet
-    /// (echoed).
-    fn releases_for(&self, op: &str) -> (Carried<'_>, Vec<Arc<str>>) {
+    /// A failed call's error, where the semaphore's keys explain it better: kept by a newer
+    /// protocol (the script refused and wrote nothing; a configuration error, so no outage
+    /// policy admits past it: this process must be upgraded), or one of them of another type.
+    fn explained(&self, e: Error) -> Error {
+        let text = e.to_string();
+        if text.contains(NEWER) {
+            return Error::config(format!("a newer build shares this semaphore: {text}"));
+        }
+        match e {
+            Error::Backend(mut e) if e.message.contains("holds a value of another type") => {
+                let _ = write!(
+                    e.message,
+                    " (this semaphore's keys: {})",
+                    self.keys.join(", ")
+                );
+                Error::Backend(e)
+            }
+            e => e,
+        }
+    }
+
+    /// The releases a call of `op` carries besides `own` of its own: those waiting to be sent
+    /// (the call owns them), and on a cluster, for an acquire, also those sent by other calls
+    /// and not answered yet (echoed); at most [`MAX_RELEASES`] in all, the oldest first (the
+    /// rest wait for the next call, which `pass_on` or `flush` makes).
+    fn releases_for(&self, op: &str, own: usize) -> (Carried<'_>, Vec<Arc<str>>) {
         let echo = self.shared.cluster;
         let mut outbox = self.outbox();
         let acquire = op == "acquire";
@@ -361,19 +386,22 @@ impl RedisSemaphore {
         // must never reach the server before its member's acquire, and the acquire calls go
         // one after another (a member still queued is taken out of the queue instead of
         // released; see `release_later`).
+        let room = MAX_RELEASES.saturating_sub(own);
         let (members, owed) = if acquire || !outbox.sending {
-            let mut owed = std::mem::take(&mut outbox.owed);
-            if !owed.is_empty() {
+            if !outbox.owed.is_empty() {
                 // (The clock only when something is owed: most calls owe nothing.)
                 let now = Instant::now();
-                owed.retain(|owed| owed.until > now);
+                outbox.owed.retain(|owed| owed.until > now);
             }
-            (std::mem::take(&mut outbox.releases), owed)
+            let members = take_front(&mut outbox.releases, room);
+            let owed = take_front(&mut outbox.owed, room - members.len());
+            (members, owed)
         } else {
             (Vec::new(), Vec::new())
         };
+        let room = room - members.len() - owed.len();
         let echoed = if echo && acquire {
-            outbox.unanswered.clone()
+            outbox.unanswered.iter().take(room).cloned().collect()
         } else {
             Vec::new()
         };
@@ -491,19 +519,24 @@ impl RedisSemaphore {
         }
     }
 
-    /// Sends the waiting releases, unless another call took them meanwhile or an acquire call
-    /// in flight will pass them on.
+    /// Sends the waiting releases, a call per [`MAX_RELEASES`], unless another call took them
+    /// meanwhile or an acquire call in flight will pass them on.
     async fn flush(&self) {
-        {
-            let outbox = self.outbox();
-            if (outbox.releases.is_empty() && outbox.owed.is_empty()) || outbox.sending {
-                return;
+        loop {
+            {
+                let outbox = self.outbox();
+                if (outbox.releases.is_empty() && outbox.owed.is_empty()) || outbox.sending {
+                    return;
+                }
             }
-        }
-        // `run` logs a failure; the leases are the fallback.
-        let sent = Instant::now();
-        if let Ok(reply) = self.run("release", None, None, None, |_, _| {}).await {
-            let _ = self.released_reply(&reply, sent);
+            // `run` logs a failure; the leases are the fallback.
+            let sent = Instant::now();
+            match self.run("release", None, None, None, |_, _| {}).await {
+                Ok(reply) => {
+                    let _ = self.released_reply(&reply, sent);
+                }
+                Err(_) => return,
+            }
         }
     }
 
@@ -734,9 +767,9 @@ impl RedisSemaphore {
         let numbers = integers(reply);
         // Where each answer carries the limit in force (a heavy one's is no news).
         let at = |first| match first {
-            1 => Some(4),
-            0 | 2 => Some(3),
-            4 => Some(2),
+            GRANTED => Some(4),
+            FULL | QUEUED => Some(3),
+            RATE_LIMITED => Some(2),
             _ => None,
         };
         if let Some(numbers) = numbers.as_deref()
@@ -745,10 +778,10 @@ impl RedisSemaphore {
             self.note_limit(limit);
         }
         match numbers.as_deref() {
-            Some(&[3, limit]) => Ok(Attempt::TooHeavy {
+            Some(&[TOO_HEAVY, limit]) => Ok(Attempt::TooHeavy {
                 limit: u32::try_from(limit).map_err(|_| unexpected(reply))?,
             }),
-            Some(&[1, token, left_us, now_us, _, crowded, ref rate @ ..]) => {
+            Some(&[GRANTED, token, left_us, now_us, _, crowded, ref rate @ ..]) => {
                 self.observe(sent, now_us);
                 self.note_crowded(crowded);
                 let rate = match *rate {
@@ -768,7 +801,7 @@ impl RedisSemaphore {
                     rate,
                 })
             }
-            Some(&[2, retry_ms, now_us, _]) => {
+            Some(&[QUEUED, retry_ms, now_us, _]) => {
                 self.observe(sent, now_us);
                 self.note_crowded(1);
                 Ok(Attempt::Queued {
@@ -779,11 +812,11 @@ impl RedisSemaphore {
                     },
                 })
             }
-            Some(&[0, _, now_us, _]) => {
+            Some(&[FULL, _, now_us, _]) => {
                 self.observe(sent, now_us);
                 Ok(Attempt::Full)
             }
-            Some(&[4, retry_us, _]) => Ok(Attempt::RateLimited {
+            Some(&[RATE_LIMITED, retry_us, _]) => Ok(Attempt::RateLimited {
                 retry_after: micros(retry_us).ok_or_else(|| unexpected(reply))?,
             }),
             _ => Err(unexpected(reply)),
@@ -792,14 +825,14 @@ impl RedisSemaphore {
 }
 
 /// The acquires that go in the next call: the oldest queued that go with the same rate limiter
-/// (or none), at most [`BATCH`], in order.
+/// (or none), at most [`MAX_MEMBERS`], in order.
 fn next_call(acquires: &mut Vec<Queued>) -> Vec<Queued> {
     fn limiter(q: &Queued) -> Option<&RateKey> {
         q.rate.as_ref().map(|rate| &rate.limiter)
     }
     let first = acquires.first().and_then(limiter);
     let take = (acquires.iter())
-        .take(BATCH)
+        .take(MAX_MEMBERS)
         .take_while(|q| limiter(q) == first)
         .count();
     acquires.drain(..take).collect()
@@ -934,6 +967,15 @@ fn lease_of(text: &str) -> Option<Duration> {
     lease.parse().ok().map(Duration::from_millis)
 }
 
+/// The first `n` of `list` (all when it holds fewer), taken out of it in order.
+fn take_front<T>(list: &mut Vec<T>, n: usize) -> Vec<T> {
+    if list.len() <= n {
+        std::mem::take(list)
+    } else {
+        list.drain(..n).collect()
+    }
+}
+
 /// The word the script takes for each mode.
 fn mode_word(mode: Mode) -> &'static str {
     match mode {
@@ -1021,7 +1063,7 @@ impl Store for RedisSemaphore {
         Box::pin(async move {
             let mut renewed = Vec::with_capacity(members.len());
             // Batches keep each script call short, however many permits this process holds.
-            for batch in members.chunks(BATCH) {
+            for batch in members.chunks(MAX_MEMBERS) {
                 let sent = Instant::now();
                 let reply = self
                     .run("renew", None, None, None, |script, _| {
@@ -1045,9 +1087,14 @@ impl Store for RedisSemaphore {
 
     fn used(&self) -> BoxFuture<'_, Result<u32, Error>> {
         Box::pin(async move {
-            match self.run("used", None, None, None, |_, _| {}).await? {
-                Value::Int(used) => Ok(u32::try_from(used.max(0)).unwrap_or(u32::MAX)),
-                other => Err(unexpected(&other)),
+            // `{used, the limit in force}`: `available_permits` counts by the latter.
+            let reply = self.run("used", None, None, None, |_, _| {}).await?;
+            match integers(&reply).as_deref() {
+                Some(&[used, limit]) => {
+                    self.note_limit(limit);
+                    Ok(u32::try_from(used.max(0)).unwrap_or(u32::MAX))
+                }
+                _ => Err(unexpected(&reply)),
             }
         })
     }
@@ -1099,7 +1146,7 @@ impl Refresh for RedisSemaphore {
         Box::pin(async move {
             let mut statuses = Vec::with_capacity(members.len());
             let mut retry_in = PATIENCE;
-            for batch in members.chunks(BATCH) {
+            for batch in members.chunks(MAX_MEMBERS) {
                 let reply = self
                     .run("touch", None, None, Some(until), |script, _| {
                         for member in batch {
@@ -1114,15 +1161,19 @@ impl Refresh for RedisSemaphore {
                 if rest.len() != batch.len() * 3 {
                     return Err(unexpected(&reply));
                 }
-                statuses.extend(rest.chunks_exact(3).map(|status| match *status {
-                    [1, token, left_us] => match (token_of(token), micros(left_us)) {
-                        (Some(token), Some(remaining)) => Status::Granted { token, remaining },
-                        _ => Status::Unknown,
-                    },
-                    [2, ..] => Status::Queued,
-                    _ => Status::Unknown,
-                }));
-                retry_in = millis(retry_ms);
+                for status in rest.chunks_exact(3) {
+                    statuses.push(match *status {
+                        [HOLDS, token, left_us] => match (token_of(token), micros(left_us)) {
+                            (Some(token), Some(remaining)) => Status::Granted { token, remaining },
+                            _ => Status::Unknown,
+                        },
+                        [WAITS, ..] => Status::Queued,
+                        [UNKNOWN, ..] => Status::Unknown,
+                        _ => return Err(unexpected(&reply)),
+                    });
+                }
+                // (The soonest any batch asks for.)
+                retry_in = retry_in.min(millis(retry_ms));
             }
             Ok((statuses, retry_in))
         })
@@ -1147,11 +1198,16 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
             _ => None,
         }
     };
-    let (head, rest) = items.split_at_checked(8)?;
-    let mut waiting = [0u32; 8];
-    for (level, n) in text(&head[5])?.split(',').enumerate().take(8) {
-        waiting[level] = n.parse().ok()?;
-    }
+    let (head, rest) = items.split_at_checked(10)?;
+    let per_level = |value: &Value| -> Option<[u32; 8]> {
+        let mut counts = [0u32; 8];
+        for (level, n) in text(value)?.split(',').enumerate().take(8) {
+            counts[level] = n.parse().ok()?;
+        }
+        Some(counts)
+    };
+    let waiting = per_level(&head[5])?;
+    let weights = per_level(&head[9])?;
     let tenants = text(&head[6])?
         .split(',')
         .filter(|entry| !entry.is_empty())
@@ -1192,8 +1248,16 @@ fn parse_snapshot(reply: &Value) -> Option<Snapshot> {
         holders,
         classes: Vec::new(),
         tenants_waiting: Vec::new(),
+        protocols: text(&head[8])?
+            .split(',')
+            .filter(|entry| !entry.is_empty())
+            .map(|entry| {
+                let (version, n) = entry.split_once(':')?;
+                Some(ProtocolInUse::new(version.parse().ok()?, n.parse().ok()?))
+            })
+            .collect::<Option<Vec<_>>>()?,
     };
-    snapshot.complete(&Classes::decode(text(&head[7])?), waiting, tenants);
+    snapshot.complete(&Classes::decode(text(&head[7])?), weights, waiting, tenants);
     Some(snapshot)
 }
 
@@ -1488,24 +1552,24 @@ mod tests {
         semaphore.release_later(member.clone(), Ending::default());
         // A flush (or a read) takes the release and sends it; until it is answered, every
         // acquire call also carries it, whichever of the two the server sees first.
-        let (mut flush, echoed) = semaphore.releases_for("release");
+        let (mut flush, echoed) = semaphore.releases_for("release", 0);
         assert_eq!(
             (flush.members.clone(), echoed),
             (vec![member.text.clone()], vec![])
         );
-        let (acquire, echoed) = semaphore.releases_for("acquire");
+        let (acquire, echoed) = semaphore.releases_for("acquire", 0);
         assert!(acquire.members.is_empty());
         assert_eq!(echoed, std::slice::from_ref(&member.text));
         drop(acquire);
         flush.settle();
         drop(flush);
-        let (_, echoed) = semaphore.releases_for("acquire");
+        let (_, echoed) = semaphore.releases_for("acquire", 0);
         assert!(echoed.is_empty(), "answered, it is no longer carried");
 
         // A call dropped unanswered gives its releases back to be sent, and stops echoing them.
         let other = Member::new(2, LEASE);
         semaphore.outbox().releases.push(other.text.clone());
-        drop(semaphore.releases_for("used"));
+        drop(semaphore.releases_for("used", 0));
         let outbox = semaphore.outbox();
         assert!(outbox.unanswered.is_empty());
         assert_eq!(outbox.releases, [other.text]);
@@ -1548,8 +1612,8 @@ mod tests {
     async fn one_connection_keeps_the_order_so_nothing_is_echoed() {
         let semaphore = unreachable();
         semaphore.release_later(Member::new(1, LEASE), Ending::default());
-        let (_flush, _) = semaphore.releases_for("release");
-        let (_, echoed) = semaphore.releases_for("acquire");
+        let (_flush, _) = semaphore.releases_for("release", 0);
+        let (_, echoed) = semaphore.releases_for("acquire", 0);
         assert!(echoed.is_empty());
     }
 
@@ -1618,9 +1682,9 @@ mod tests {
         let sent: Vec<Arc<str>> = calls.into_iter().flatten().map(|q| q.member).collect();
         assert_eq!(sent, order, "in the order they arrived");
 
-        // However many wait, one call carries at most BATCH.
-        let mut acquires = queue((0..BATCH + 1).map(|_| None).collect());
-        assert_eq!(next_call(&mut acquires).len(), BATCH);
+        // However many wait, one call carries at most MAX_MEMBERS.
+        let mut acquires = queue((0..MAX_MEMBERS + 1).map(|_| None).collect());
+        assert_eq!(next_call(&mut acquires).len(), MAX_MEMBERS);
         assert_eq!(acquires.len(), 1);
     }
 }

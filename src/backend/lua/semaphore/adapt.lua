@@ -25,11 +25,13 @@ local function sample(held_ms, in_flight, overloaded, n)
     local low, high = string.match(adaptive, '^(%d+)/(%d+)$')
     local a = redis.call('HMGET', meta, 'a:lim', 'a:noload', 'a:start', 'a:n', 'a:sum', 'a:peak',
       'a:over', 'a:pat', 'a:psave', 'a:pn', 'a:plow')
-    g = {low = tonumber(low) or 1, high = tonumber(high) or limit, lim = tonumber(a[1]) or limit,
-      noload = tonumber(a[2]), start = tonumber(a[3]), n = tonumber(a[4]) or 0,
-      sum = tonumber(a[5]) or 0, peak = tonumber(a[6]) or 0, over = a[7] == '1',
-      probe_at = tonumber(a[8]), saved = tonumber(a[9]), probed = tonumber(a[10]) or 0,
-      lowest = tonumber(a[11])}
+    -- (Foreign values, not finite, read as not set.)
+    g = {low = tonumber(low) or 1, high = tonumber(high) or limit, lim = finite(a[1]) or limit,
+      noload = finite(a[2]), start = finite(a[3]), n = finite(a[4]) or 0,
+      sum = finite(a[5]) or 0, peak = finite(a[6]) or 0, over = a[7] == '1',
+      probe_at = finite(a[8]), saved = finite(a[9]), probed = finite(a[10]) or 0,
+      lowest = finite(a[11])}
+    g.lim = math.min(math.max(g.lim, g.low), g.high)
     gradient = g
   end
   g.start = g.start or now

@@ -1,104 +1,14 @@
 -- One distributed, first-come-first-served semaphore. Every operation is one call of this
 -- script, so it runs atomically; times come from the Redis server clock, never a client's.
--- The script is this file and the eight after it, in order (classes, tenants, fence, sweep,
--- adapt, holders, line, ops; `semaphore.rs` joins them after `gcra.lua`); each part's locals
--- are the next parts' too.
+-- The script is protocol.lua, this file and the eight after it, in order (classes, tenants,
+-- fence, sweep, adapt, holders, line, ops; `semaphore.rs` joins them after `gcra.lua`); each
+-- part's locals are the next parts' too. docs/protocol.md states every key, field, member,
+-- argument and reply, and the protocol's version.
 --
--- KEYS[1] holders: zset, member -> lease deadline (ms); a provisional grant not claimed yet
---                  has its deadline + 0.5 (a score's fraction marks it at no extra command)
--- KEYS[2] meta:    hash, `state` = the counters as nine doubles (struct.pack '<d' x 9): the
---                  weight of the live holders (`used`), how many they are (`count`), the last
---                  fencing token (`fence`), when holders and meta expire (`horizon`, ms), when
---                  queue and alive expire (`line`, ms), the last arrival score given
---                  (`arrived`, so arrivals in one call or one microsecond keep their order),
---                  the server time of the latest call that wrote it (`seen`, ms), a time no
---                  waiter's liveness deadline is before (`alive_at`, ms) and when the latest
---                  process was marked silent (`silent_at`, ms), -1 for those not known;
---                  `limit` = the limit every process admits by, `pinned` = 1 when an operator
---                  set it (then meta never expires); otherwise the first process's configured
---                  limit, which goes with the other keys when the semaphore falls idle;
---                  `s:<process tag>`
---                  = when a provisional grant of that process ran out unclaimed (ms): the
---                  process is silent (frozen or dead), and its other waiters are passed over
---                  until it makes a call;
---                  `adaptive` = "<min>/<max>" when the limit adapts
---                  (set with the state by the process that creates it), and its state in
---                  `a:lim`, `a:noload`, `a:start`, `a:n`, `a:sum`, `a:peak`, `a:over`, and
---                  the probe's `a:pat`, `a:psave`, `a:pn`, `a:plow` (adapt.lua);
---                  `unpinned` = while pinned, the limit to return to when unpinned (the one
---                  in force before, else the first configured limit a process calls with);
---                  `classes` = the classes' shares, stored with the limit, and `c<level>` =
---                  the weight each class holds (classes.lua), `u:<tenant>` = the weight a
---                  tenant holds, while it holds some, under a per-tenant cap
---                  (classes.lua)
--- KEYS[3] queue:   zset, member -> its class's rank × 2^48 + its arrival (strictly increasing):
---                  who waits, by class (highest first), then oldest first; a tenant's
---                  parked waiters past every class, at 2^51 + that (tenants.lua)
--- KEYS[4] alive:   zset, member -> deadline (ms) by which a waiter must show it still waits
--- KEYS[5] since:   hash, holder -> when it was granted (ms), for snapshots
--- KEYS[6] procs:   zset, "<process tag> <process name>" -> when last told (ms), for snapshots;
---                  names not told for an hour are dropped; expires with holders
--- KEYS[7] tenants: zset of score 0, by lex: each tenant's head and parked waiters per class
---                  (tenants.lua); expires with the line
--- KEYS[8] (acquire only, optional) a rate limiter's key, decided with the acquires
--- KEYS[#KEYS] (with a promotion fence) promoted: hash, `id` = the replication id under which
---                  this server was first seen promoted from a replica, `at` = when (ms); one
---                  key for every semaphore of the server (used through Sentinel only)
--- A member is "<holder id>[:c<level>][:t<tenant>][:p]:<weight>:<lease ms>" (level 4, NORMAL,
--- without; the tenant in 16 hex digits; `:p` for a slot a process may keep in its prefetch
--- pool), the id's first 8 hex digits naming its process. All keys share one hash tag (one
--- Cluster slot). Holders and meta expire at most half a lease after the latest lease (and are
--- deleted when nothing is held past that horizon); queue and alive expire with the latest
--- waiter deadline.
+-- Every call's work is bounded whatever is stored: it carries at most MAX_RELEASES releases
+-- and MAX_MEMBERS other members (protocol.lua), and every loop over stored data spends the
+-- call's BUDGET (`spend`): what is left over is left to later calls, told to come soon.
 --
--- ARGV: operation, channel (the base of each process's own), its publish command (PUBLISH, or
--- SPUBLISH on a cluster), the caller's limit (`<n>`, or `<initial>/<min>/<max>` adaptive,
--- then `|<shares>` when its classes have any),
--- patience ms, claim ms, promotion fence ms (0: none), the caller's process tag (followed by
--- a space and the process's name now and then, to be kept in procs), k, then k members to
--- release
--- (holders or waiters; absent ones are ignored; for an adaptive limit, `!` before one marks
--- its hold overloaded, then `@<µs>:` says how long its process held it; `@<µs>*<n>:` alone
--- is n such holds that ended without a release, in a prefetch pool), then the operation's
--- arguments:
---   acquire <rate> <period µs> <burst> (<member> <once|join|recheck> <cost>)...
---       -> per member, in order: {1, token, left µs, now µs, limit, anyone waits (0|1)[, rate
---          remaining, rate reset µs]} granted (the last two when the grant spent the rate)
---          | {2, retry ms, now µs, limit} queued | {0, retry ms, now µs, limit} full
---          | {4, retry µs, limit} refused by the rate limit (nothing added, nothing spent)
---          (`limit`: the limit in force); a member also released by this call is not added.
---          With KEYS[8] (a rate limiter's key, `gcra` of lua/gcra.lua) and rate > 0, a member
---          that would be granted at once is granted only if the rate allows its cost, spent
---          in the same call; one that queues spends nothing
---   release                      -> {how many of the k members held or waited, anyone waits
---                                    (0|1), retry ms (0 when nobody waits)}
---   touch <member>...            -> {retry ms, then per member: 1, token, left µs (holds; claimed)
---                                    | 2, 0, 0 (still queued) | 0, 0, 0 (unknown)}
---   renew <member>...            -> {now µs, anyone waits (0|1), then per member: µs left of
---                                   its new lease, or 0 if
---                                   it no longer holds (expired or removed: it is never added
---                                   back)}
---   used                         -> live weight
---   set_limit <n>                -> 1; every process admits by n from now on (pinned)
---   unset_limit                  -> 1; the pin is gone: the limit in force before it (or the
---                                   first configured one a process called with) is back,
---                                   and an adaptive limit adapts again
---   evict <id>                   -> 1 if the holder with that id was removed, else 0
---   snapshot                     -> {limit, used, waiting, now ms, pinned (0|1), waiting per
---                                    level ("<n0>,...,<n7>"), tenants' waiting
---                                    ("<tenant>:<n>,..."), the shares in force, then per
---                                    holder: member, deadline
---                                    ms, granted ms, process name ('' when not known)}
--- An acquire whose weight is above what its class may ever hold under the limit in force (the
--- limit, less the other classes' reservations, at most its cap) answers {3, that most}.
--- "left µs" is a deadline minus the server time of this call, exact to the µs: a client that
--- adds it to the moment it sent the call never believes a lease past the server's.
--- Whenever queued waiters fit they are admitted in arrival order, each with a provisional lease
--- of at most `claim` ms (and half its lease) that the waiter's process claims (touch or renew)
--- to get its full lease; each grant is published as "<member> <token> <deadline ms>" on
--- "<channel>:<the member's process>", which only that process subscribes to. "retry ms" is the
--- time until the earliest lease ends (or sooner, never later): when an expiry may admit
--- someone.
 -- Loaded as a function library (FUNCTION LOAD) where the server allows it, its definitions are
 -- made once per server, and `run` (ops.lua) is each call; else it goes as a script, each
 -- `step_*` body inlined where it stands (script.rs). Every part declares its per-call state at
@@ -116,6 +26,43 @@ local caller, caller_name
 -- Where the operation's own arguments start, after the k members to release.
 local args
 local now_us, now, now_text
+-- The call's keys beside the first six: the tenants' index (tenants.lua) and the processes'
+-- protocol versions (`versions`, set with their names: sweep.lua).
+local versions
+
+-- What is left of this call's BUDGET, and whether a loop found more to do than it allowed:
+-- then the callers are told to come back soon (`retry_in`, line.lua), and a later call goes on.
+local work, unfinished
+local function spend(units)
+  if work < units then
+    unfinished = true
+    return false
+  end
+  work = work - units
+  return true
+end
+
+-- A stored count as this version writes it (decimal digits, 1 to `high`), else nil: foreign
+-- text (a number of another form, negative, fractional, huge, `inf`, `nan`) is not trusted.
+local function whole(text, high)
+  if type(text) ~= 'string' or #text > 15 or not string.find(text, '^%d+$') then
+    return nil
+  end
+  local n = tonumber(text)
+  if n < 1 or n > high then
+    return nil
+  end
+  return n
+end
+
+-- A stored number of any form, if finite and within 2^53 (else nil: `inf`, `nan`, huge).
+local function finite(text)
+  local x = tonumber(text)
+  if x and x == x and x > -2 ^ 53 and x < 2 ^ 53 then
+    return x
+  end
+  return nil
+end
 
 -- Lua numbers are doubles: every integer sent to Redis is written here, as `%d` (`tostring`
 -- would write 1.7e+15, and a number passed to redis.call as it is goes through %.17g, which
@@ -164,7 +111,7 @@ local function learn(member)
   local at = string.find(member, ':', 1, true) or #member + 1
   -- (Most members are plain, `<id>:<weight>:<lease>`: one match says so.)
   local weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
-  if weight then
+  if weight and #weight < 10 and #lease < 13 then
     known = {weight + 0, lease + 0, 4, nil, false, tag}
     facts[member] = known
     return known
@@ -188,7 +135,12 @@ local function learn(member)
   end
   weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
   -- (Digits, or nil: arithmetic reads them with one parse where `tonumber` takes two.)
-  known = {weight and weight + 0 or 0, lease and lease + 0 or 0, level, tenant, pool, tag}
+  weight, lease = weight and weight + 0 or 0, lease and lease + 0 or 0
+  if weight > 2 ^ 31 or lease > 2 ^ 40 then
+    -- Beyond any this crate sends: malformed.
+    weight, lease = 0, 0
+  end
+  known = {weight, lease, level, tenant, pool, tag}
   facts[member] = known
   return known
 end
@@ -247,7 +199,7 @@ local alive_at
 local silent_at
 -- What `state` said of the horizon when this call began (the write-back renews the keys'
 -- expiry when it moved), and the fields read beside it.
-local horizon_was, stored_limit, stored_pinned, stored_unpinned
+local horizon_was, stored_limit, stored_pinned, stored_unpinned, stored_version
 local changed
 -- The classes' shares in force (classes.lua): as stored with the limit, and as decided.
 local stored_shares, shares
@@ -261,7 +213,7 @@ local adaptive
 -- this crate sends.
 local function step_args()
   holders, meta, queue, alive, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-  procs = KEYS[6]
+  procs, versions = KEYS[6], KEYS[8]
   op, channel, publisher = ARGV[1], ARGV[2], ARGV[3]
   -- The caller's limit, then `|` and its classes' shares when it has any (most callers send
   -- a plain number: no pattern for it).
@@ -269,17 +221,28 @@ local function step_args()
   caller_shares, adapt_min, adapt_max = '', nil, nil
   if not limit then
     local limit_text, initial
-    limit_text, caller_shares = string.match(ARGV[4], '^([^|]*)|?(.*)$')
+    limit_text, caller_shares = string.match(ARGV[4] or '', '^([^|]*)|?(.*)$')
     initial, adapt_min, adapt_max = string.match(limit_text, '^(%d+)/(%d+)/(%d+)$')
     limit = tonumber(initial or limit_text)
   end
   patience, claim = tonumber(ARGV[5]), tonumber(ARGV[6])
   promotion_fence = tonumber(ARGV[7])
-  caller, caller_name = string.sub(ARGV[8], 1, 8), string.sub(ARGV[8], 10)
-  args = 10 + tonumber(ARGV[9])
+  caller, caller_name = string.sub(ARGV[8] or '', 1, 8), string.sub(ARGV[8] or '', 10)
+  local k = tonumber(ARGV[9])
   if publisher ~= 'PUBLISH' and publisher ~= 'SPUBLISH' then
     return redis.error_reply('unknown publish command ' .. tostring(publisher))
   end
+  if not (limit and patience and claim and promotion_fence and k) or #KEYS < 8 then
+    return redis.error_reply('dlimit: malformed call of protocol ' .. PROTOCOL)
+  end
+  args = 10 + k
+  -- The members beside the releases: an acquire's go in threes after its rate's three.
+  local members = op == 'acquire' and (#ARGV - args - 2) / 3 or #ARGV - args + 1
+  if k > MAX_RELEASES or members > MAX_MEMBERS then
+    return redis.error_reply(string.format('dlimit: a call carries at most %d releases and %d '
+      .. 'members (this one %d and %d)', MAX_RELEASES, MAX_MEMBERS, k, members))
+  end
+  work, unfinished = BUDGET, false
   local time = redis.call('TIME')
   -- (Digits from the server: arithmetic reads each with one parse, `tonumber` takes two.)
   now_us = time[1] * 1000000 + time[2]
@@ -291,13 +254,31 @@ end -- step_args
 -- The semaphore's state as stored, and the limit in force.
 local function step_meta()
   stored = redis.call('HMGET', meta, 'state', 'limit', 'pinned', 's:' .. caller, 'adaptive',
-    'unpinned', 'classes', 'used')
+    'unpinned', 'classes', 'used', 'v', 'scan')
+  -- Kept by a newer protocol: refused before anything is written.
+  local version = whole(stored[9], 2 ^ 31)
+  if version and version > PROTOCOL then
+    return redis.error_reply(string.format('dlimit: protocol %d keeps %s, and this build speaks '
+      .. 'protocol %d (and 1): upgrade this process; nothing was written', version, meta,
+      PROTOCOL))
+  end
   used, count, fence, horizon, line, arrived, seen, alive_at, silent_at = nil, nil, nil, nil,
     nil, nil, nil, nil, nil
   if stored[1] and #stored[1] == 72 then
-    used, count, fence, horizon, line, arrived, seen, alive_at, silent_at =
-      struct.unpack(STATE, stored[1])
+    local values = {struct.unpack(STATE, stored[1])}
+    -- Foreign bytes may unpack to anything: every value finite and within 2^53 (exact in a
+    -- double), the counts whole and not negative, else the counters are rebuilt (sweep.lua).
+    local sane = values[1] >= 0 and values[2] >= 0 and values[1] % 1 == 0
+      and values[2] % 1 == 0 and values[3] >= 0
+    for i = 1, 9 do
+      local x = values[i]
+      sane = sane and x == x and x > -1 - 2 ^ 53 and x < 2 ^ 53
+    end
+    if sane then
+      used, count, fence, horizon, line, arrived, seen, alive_at, silent_at = unpack(values, 1, 9)
+    end
   end
+  stored_version = stored[9]
   if stored[8] then
     -- Fields of an earlier version's counters (`used`, `count`, ...): a process of that
     -- version shares the semaphore. Its counters and this one's are rebuilt from the holders
@@ -314,7 +295,7 @@ local function step_meta()
   seen = seen ~= -1 and seen or nil
   alive_at = alive_at ~= -1 and alive_at or nil
   silent_at = silent_at ~= -1 and silent_at or nil
-  stored_limit, stored_pinned = tonumber(stored[2]), stored[3]
+  stored_limit, stored_pinned = whole(stored[2], 2 ^ 31), stored[3]
   changed = false
   stored_shares = stored[7] or nil
   shares = nil
@@ -322,7 +303,7 @@ local function step_meta()
   -- (A missing field reads as false.)
   adaptive = stored[5] or nil
   local configured = limit
-  unpinned = tonumber(stored[6])
+  unpinned = whole(stored[6], 2 ^ 31)
   stored_unpinned = unpinned
   if stored_limit then
     limit = stored_limit

@@ -36,7 +36,7 @@ local tenant_held, tenant_dirty
 local function held_by(tenant)
   local n = tenant_held[tenant]
   if n == nil then
-    n = tonumber(redis.call('HGET', meta, 'u:' .. tenant)) or 0
+    n = math.max(finite(redis.call('HGET', meta, 'u:' .. tenant)) or 0, 0)
     tenant_held[tenant] = n
   end
   return n
@@ -159,6 +159,11 @@ local function step_classes()
   elseif not stored_limit and caller_shares ~= '' then
     shares = caller_shares
   end
+  if shares and #shares > 256 then
+    -- Longer than any this crate writes (eight classes' two shares and a tenant cap): foreign,
+    -- and not read (a bounded call; the limit itself still holds).
+    shares = nil
+  end
   held_changed = false
   reserved, at_most, in_class = NONE, NONE, NONE
   if shares then
@@ -172,7 +177,7 @@ local function step_classes()
     end
     local counts = redis.call('HMGET', meta, 'c0', 'c1', 'c2', 'c3', 'c4', 'c5', 'c6', 'c7')
     for level = 0, 7 do
-      in_class[level] = tonumber(counts[level + 1]) or 0
+      in_class[level] = math.max(finite(counts[level + 1]) or 0, 0)
     end
   end
   tenant_cap = shares and tonumber(string.match(shares, 'tm(%d+)'))

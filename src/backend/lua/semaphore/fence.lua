@@ -32,8 +32,9 @@ local function step_fence()
     if previous and string.find(previous, '[^0]') then
       local id = string.match(info, 'master_replid:(%x+)')
       local seen = redis.call('HMGET', promoted_key, 'id', 'at')
-      if seen[1] == id then
-        promoted = tonumber(seen[2])
+      -- (A time not of this crate's form is written anew.)
+      if seen[1] == id and whole(seen[2], 2 ^ 52) then
+        promoted = whole(seen[2], 2 ^ 52)
       else
         promoted = now
         redis.call('HSET', promoted_key, 'id', id, 'at', now_text)

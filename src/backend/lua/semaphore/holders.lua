@@ -72,7 +72,7 @@ local function step_holders()
         -- a fixed limit does not send one). A pooled slot released unsent was idle in its
         -- pool: the time since its grant here is no hold.
         if not held and not pooled(member) then
-          local granted = tonumber(redis.call('HGET', since, member))
+          local granted = finite(redis.call('HGET', since, member))
           held = granted and now - granted
         end
         if held then
@@ -92,9 +92,10 @@ local function step_holders()
   -- An operator evicts a stuck holder by its id; its slot goes to the line below.
   evicted = 0
   if op == 'evict' then
+    -- (A page a unit of the budget: a holder not found within it is reported not found.)
     local cursor = '0'
     repeat
-      local page = redis.call('ZSCAN', holders, cursor, 'MATCH', ARGV[args] .. ':*', 'COUNT', 1000)
+      local page = redis.call('ZSCAN', holders, cursor, 'MATCH', ARGV[args] .. ':*', 'COUNT', 100)
       cursor = page[2][1] and '0' or page[1]
       local member = page[2][1]
       if member and redis.call('ZREM', holders, member) == 1 then
@@ -104,6 +105,6 @@ local function step_holders()
         changed = true
         evicted = 1
       end
-    until cursor == '0'
+    until cursor == '0' or not spend(1)
   end
 end -- step_holders

@@ -57,7 +57,7 @@ local function oldest()
     if not silent[tag] then
       return member
     end
-    if passed >= 64 then
+    if passed >= 64 or not spend(1) then
       return nil
     end
     passed = passed + 1
@@ -93,8 +93,13 @@ local function step_line()
   if waiting > 0 then
     -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
     if not alive_at or alive_at <= now then
-      local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', now_text)
+      -- (The budget's worth a call: the earliest deadline left, passed already, brings the
+      -- next call back for the rest.)
+      local gone = redis.call('ZRANGEBYSCORE', alive, '-inf', now_text, 'LIMIT', '0', int(work))
       for _, member in ipairs(gone) do
+        if not spend(1) then
+          break
+        end
         unqueue(member)
         redis.call('ZREM', alive, member)
       end
@@ -120,11 +125,12 @@ local function step_line()
       while true do
         local member = oldest()
         local level = rank_of(rank)
-        while member and parse(member) > most(level, tenant_of(member)) do
+        while member and (parse(member) > most(level, tenant_of(member)) or parse(member) < 1) do
           -- Heavier than its class (or tenant) may ever hold under the limit now in force: it
           -- would block the line for ever. Dropped, it learns at its next refresh and is refused.
+          -- (So is a member of no weight: no version writes one.)
           unqueue(member)
-          member = oldest()
+          member = spend(1) and oldest()
         end
         if not member then
           break
@@ -135,7 +141,7 @@ local function step_line()
         if fit == 'tenant' then
           -- Its tenant holds all it may: passed over, as a silent process's waiters are.
           waiting = 1
-          if passed >= 64 then
+          if passed >= 64 or not spend(1) then
             break
           end
           passed = passed + 1
@@ -145,6 +151,13 @@ local function step_line()
           if fit ~= 'capped' then
             blocked = blocked or rank
           end
+          break
+        elseif not spend(2) then
+          -- The rest are admitted by the next call, which `retry_in` brings soon; until then
+          -- this class's newcomers queue behind them.
+          waiting = 1
+          waits_in[rank] = true
+          blocked = blocked or rank
           break
         else
           admit(member, weight, lease, tenant)
@@ -156,7 +169,9 @@ local function step_line()
       end
       local after = redis.call('ZRANGEBYSCORE', queue, int((rank + 1) * RANK), '+inf',
         'LIMIT', '0', '1')[1]
-      rank = after and place(after)
+      -- (Past this class whatever its name says: a member another layout scored stands where
+      -- its score puts it, and the loop ends within the eight classes.)
+      rank = after and math.max(place(after), rank + 1)
       head, at, passed = {}, 1, 0
     end
   end
@@ -201,8 +216,13 @@ local function retry_in()
   if fenced_until and (not until_due or fenced_until < until_due) then
     until_due = fenced_until
   end
+  if unfinished then
+    -- Work left for later calls (protocol.lua's BUDGET): the next comes soon.
+    until_due = math.min(until_due or now + 10, now + 10)
+  end
   if until_due then
-    return math.max(until_due - now, 1)
+    -- (Never later than a patience: a foreign deadline far ahead, or at +inf, until clamped.)
+    return math.min(math.max(until_due - now, 1), patience)
   end
   return patience
 end
@@ -219,7 +239,7 @@ local function status(member)
       token = fence
       changed = true
     end
-    return 1, token, left(deadline)
+    return HOLDS, token, left(deadline)
   end
   local tenant = tenant_of(member)
   local score = (waiting > 0 or tenant) and tonumber(redis.call('ZSCORE', queue, member))
@@ -228,7 +248,7 @@ local function status(member)
     if score >= PARKED then
       heal(member, tenant, score)
     end
-    return 2, 0, 0
+    return WAITS, 0, 0
   end
-  return 0, 0, 0
+  return UNKNOWN, 0, 0
 end

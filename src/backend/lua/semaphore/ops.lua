@@ -3,6 +3,13 @@
 
 -- The operation's reply.
 local reply
+-- The weight held as a reply tells it: the limit while it is not counted (sweep.lua's rebuild).
+local function held()
+  if used >= UNCOUNTED / 2 then
+    return limit
+  end
+  return math.max(used, 0)
+end
 -- The operation (an error reply, for one no version of this crate sends).
 local function step_operate()
   reply = nil
@@ -11,8 +18,8 @@ local function step_operate()
     -- order, as if made alone. One released by this very call was cancelled by its caller
     -- meanwhile: it is not added.
     local cancelled = released_now
-    -- A rate limit (KEYS[8]) decided with each acquire that would be granted at once.
-    local rated = KEYS[8] ~= nil and KEYS[8] ~= promoted_key
+    -- A rate limit (KEYS[9]) decided with each acquire that would be granted at once.
+    local rated = KEYS[9] ~= nil and KEYS[9] ~= promoted_key
     local rate, period, burst
     if rated then
       rate, period, burst = tonumber(ARGV[args]), tonumber(ARGV[args + 1]), tonumber(ARGV[args + 2])
@@ -24,36 +31,36 @@ local function step_operate()
       local weight, lease = parse(member)
       local level = level_of(member)
       local tenant = tenant_of(member)
-      local state, token, rest = 0, 0, 0
+      local state, token, rest = UNKNOWN, 0, 0
       if mode == 'recheck' then
         state, token, rest = status(member)
       end
       local answer
-      if state ~= 1 and weight > most(level, tenant) then
-        answer = {3, most(level, tenant)}
-      elseif state == 1 then
-        answer = {1, token, rest, now_us, limit}
-      elseif state == 2 then
-        answer = {2, 0, now_us, limit}
+      if state ~= HOLDS and weight > most(level, tenant) then
+        answer = {TOO_HEAVY, most(level, tenant)}
+      elseif state == HOLDS then
+        answer = {GRANTED, token, rest, now_us, limit}
+      elseif state == WAITS then
+        answer = {QUEUED, 0, now_us, limit}
       elseif cancelled[member] then
-        answer = {0, 0, now_us, limit}
+        answer = {FULL, 0, now_us, limit}
       elseif not waits_in[rank_of(level)] and admits(level, weight, tenant) and settled(lease) then
         local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
         local cost = rated and tonumber(ARGV[i + 2])
         if cost and cost > 0 then
-          allowed, remaining, retry_us, reset_us = gcra(KEYS[8], rate, period, burst, cost, now_us)
+          allowed, remaining, retry_us, reset_us = gcra(KEYS[9], rate, period, burst, cost, now_us)
         end
         if allowed then
           local deadline
           token, deadline = grant(member, weight, lease, lease)
           -- (The 6th, whether anyone waits, is set once every member is decided.)
-          answer = {1, token, left(deadline), now_us, limit, 0}
+          answer = {GRANTED, token, left(deadline), now_us, limit, 0}
           if remaining then
             -- The rate was spent: what it left, for the RateLimit headers.
             answer[7], answer[8] = remaining, reset_us
           end
         else
-          answer = {4, retry_us, limit}
+          answer = {RATE_LIMITED, retry_us, limit}
         end
       elseif mode ~= 'once' then
         -- Strictly after every earlier arrival, so members queued by one call (or by two calls
@@ -63,9 +70,9 @@ local function step_operate()
         changed = true
         waiting = 1
         waits_in[rank_of(level)] = true
-        answer = {2, 0, now_us, limit}
+        answer = {QUEUED, 0, now_us, limit}
       else
-        answer = {0, 0, now_us, limit}
+        answer = {FULL, 0, now_us, limit}
       end
       table.insert(reply, answer)
     end
@@ -73,10 +80,10 @@ local function step_operate()
     -- those granted, whether anyone waits (a process holding prefetched slots gives them back).
     local retry = nil
     for _, answer in ipairs(reply) do
-      if answer[1] == 0 or answer[1] == 2 then
+      if answer[1] == FULL or answer[1] == QUEUED then
         retry = retry or retry_in()
         answer[2] = retry
-      elseif answer[1] == 1 then
+      elseif answer[1] == GRANTED then
         answer[6] = waiting > 0 and 1 or 0
       end
     end
@@ -97,7 +104,7 @@ local function step_operate()
       table.insert(reply, deadline and left(deadline) or 0)
     end
   elseif op == 'used' then
-    reply = math.max(used, 0)
+    reply = {held(), limit}
   elseif op == 'set_limit' or op == 'unset_limit' then
     reply = 1
   elseif op == 'evict' then
@@ -112,30 +119,75 @@ local function step_operate()
         + redis.call('ZCOUNT', queue, int(PARKED + from), '(' .. int(PARKED + from + RANK))
     end
     local per_tenant, tenant_order = {}, {}
-    for _, entry in ipairs(redis.call('ZRANGE', tenants, 0, 999)) do
-      local tenant = string.sub(entry, 2, 17)
-      if not per_tenant[tenant] then
+    for _, entry in ipairs(redis.call('ZRANGE', tenants, '0', int(SHOWN - 1))) do
+      -- (An entry of another form is not counted.)
+      local tenant = string.match(entry, '^%d(' .. string.rep('%x', 16) .. ')[#|]')
+      if tenant and not per_tenant[tenant] then
         table.insert(tenant_order, tenant)
+        per_tenant[tenant] = 0
       end
-      per_tenant[tenant] = (per_tenant[tenant] or 0) + 1
+      if tenant then
+        per_tenant[tenant] = per_tenant[tenant] + 1
+      end
     end
     for i, tenant in ipairs(tenant_order) do
       tenant_order[i] = tenant .. ':' .. per_tenant[tenant]
     end
-    reply = {limit, math.max(used, 0), redis.call('ZCARD', queue), now, pinned and 1 or 0,
-      table.concat(by_level, ','), table.concat(tenant_order, ','), shares or ''}
-    -- Each process's latest name (the set is ordered by when each was told).
-    local names = {}
-    for _, entry in ipairs(redis.call('ZRANGE', procs, 0, -1)) do
+    -- The latest SHOWN processes' names (the set is ordered by when each was told) and
+    -- protocol versions (a named process that never told one speaks version 1): how many
+    -- processes of each version, as "<version>:<n>,...".
+    local names, spoken, speakers, told = {}, {}, {}, {}
+    for _, entry in ipairs(redis.call('ZRANGE', procs, int(-SHOWN), '-1')) do
       names[string.sub(entry, 1, 8)] = string.sub(entry, 10)
     end
-    local entries = redis.call('ZRANGE', holders, 0, -1, 'WITHSCORES')
+    for _, entry in ipairs(redis.call('ZRANGE', versions, int(-SHOWN), '-1')) do
+      -- (Entries of another form are not read.)
+      local tag, version = string.match(entry, '^(%x%x%x%x%x%x%x%x) (%d%d?%d?)$')
+      if tag then
+        spoken[tag] = version
+      end
+    end
+    for tag in pairs(names) do
+      local version = spoken[tag] or '1'
+      speakers[version] = (speakers[version] or 0) + 1
+    end
+    for version, n in pairs(speakers) do
+      table.insert(told, version .. ':' .. n)
+    end
+    table.sort(told)
+    -- The weight each class holds, over the first MAX_COUNTED holders (all of them unless the
+    -- limit is larger), and the first SHOWN of those listed with when each was granted (one
+    -- read for them all).
+    local weights = {0, 0, 0, 0, 0, 0, 0, 0}
+    local listed = {}
+    local entries = redis.call('ZRANGE', holders, '0', int(MAX_COUNTED - 1), 'WITHSCORES')
     for i = 1, #entries, 2 do
       local member = entries[i]
-      table.insert(reply, member)
-      table.insert(reply, int(math.floor(tonumber(entries[i + 1]))))
-      table.insert(reply, tonumber(redis.call('HGET', since, member)) or 0)
-      table.insert(reply, names[string.sub(member, 1, 8)] or '')
+      local weight = parse(member)
+      -- (A member of no weight is of no form this crate writes: neither counted nor listed.)
+      if weight >= 1 then
+        local level = level_of(member) + 1
+        weights[level] = weights[level] + weight
+        if #listed < SHOWN then
+          table.insert(listed, i)
+        end
+      end
+    end
+    reply = {limit, held(), redis.call('ZCARD', queue), now, pinned and 1 or 0,
+      table.concat(by_level, ','), table.concat(tenant_order, ','), shares or '',
+      table.concat(told, ','), table.concat(weights, ',')}
+    if #listed > 0 then
+      local members = {}
+      for n, i in ipairs(listed) do
+        members[n] = entries[i]
+      end
+      local granted = redis.call('HMGET', since, unpack(members))
+      for n, i in ipairs(listed) do
+        table.insert(reply, entries[i])
+        table.insert(reply, int(math.min(math.floor(tonumber(entries[i + 1])), now + 2 ^ 40)))
+        table.insert(reply, finite(granted[n]) or 0)
+        table.insert(reply, names[string.sub(entries[i], 1, 8)] or '')
+      end
     end
   else
     return redis.error_reply('unknown semaphore operation ' .. tostring(op))
@@ -151,8 +203,13 @@ local function step_write_back()
       redis.call('DEL', meta)
     else
       -- The counters in one field, the rest only when they changed.
+      -- (`seen` stays while a clamp left deadlines for the next call: sweep.lua.)
       local fields = {'state', struct.pack(STATE, math.max(used, 0), count, fence, horizon, line,
-        arrived, now, alive_at or -1, silent_at or -1)}
+        arrived, clamping and seen or now, alive_at or -1, silent_at or -1)}
+      if stored_version ~= PROTOCOL_TEXT then
+        table.insert(fields, 'v')
+        table.insert(fields, PROTOCOL_TEXT)
+      end
       if adaptive and adaptive ~= stored[5] then
         table.insert(fields, 'adaptive')
         table.insert(fields, adaptive)
@@ -201,7 +258,10 @@ local function run(keys, argv)
   if refused then
     return refused
   end
-  step_meta()
+  refused = step_meta()
+  if refused then
+    return refused
+  end
   step_classes()
   step_tenants()
   step_fence()

@@ -29,7 +29,9 @@ end
 -- The oldest live parked waiter of `line_of` (rank `rank`) becomes its head, at the back of
 -- the class's line; parked waiters found gone on the way are dropped.
 local function promote(line_of, rank)
-  while true do
+  -- (Within the call's budget: a tenant left with no head is healed by its next waiter's
+  -- touch, `heal` below.)
+  while spend(1) do
     local entry = redis.call('ZRANGEBYLEX', tenants, '[' .. line_of .. '|', '(' .. line_of .. '}',
       'LIMIT', 0, 1)[1]
     if not entry then

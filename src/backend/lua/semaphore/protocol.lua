@@ -1,0 +1,30 @@
+-- The semaphore's protocol (docs/protocol.md): its version, the codes its replies carry, and
+-- the bounds of one call. src/backend/redis/protocol.rs names the same numbers, and a test
+-- checks that the two agree; nothing else writes them as literals.
+
+-- The version of the keys' layout this build speaks: stored in meta (`v`) with the state. A
+-- semaphore stored by a newer version is refused, with nothing written; version 1 (the layout
+-- before the version was stored, which lacks `v`) is the same layout and is served beside this.
+local PROTOCOL = 2
+local PROTOCOL_TEXT = '2'
+
+-- An acquire's answer for each member: granted, queued, full (not queued), heavier than its
+-- class may ever hold, refused by the rate limit. A touch's status for each member: holds,
+-- waits, unknown.
+local FULL, GRANTED, QUEUED, TOO_HEAVY, RATE_LIMITED = 0, 1, 2, 3, 4
+local UNKNOWN, HOLDS, WAITS = 0, 1, 2
+
+-- The most members one call carries to release, and the most it acquires, touches or renews: a
+-- process splits a longer list across calls.
+local MAX_RELEASES, MAX_MEMBERS = 32, 32
+-- The most a call does of the work stored data sets (members dropped, admitted, passed over,
+-- promoted, clamped, read to rebuild the counters): the rest is left to later calls, which
+-- are told to come soon (`retry_in`). No stored data can lift it.
+local BUDGET = 64
+-- The most holders a call reads to count their weight; with more, the weight held is taken as
+-- UNCOUNTED (above any limit) until they are fewer. And the fields meta holds at most beside
+-- twice the limit (each class's and tenant's count, the adaptive state, silence marks) before
+-- it is made anew with only this version's.
+local MAX_COUNTED, UNCOUNTED, META_FIELDS = 256, 2 ^ 40, 64
+-- The most holders, processes and tenant entries an operator's snapshot lists.
+local SHOWN = 100
