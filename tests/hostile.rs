@@ -475,8 +475,9 @@ async fn any_stored_state_ends_well() {
             if before && !holders_exist(&mut conn, &name).await {
                 // Deleted (or replaced by another type): the server forgot these holders, so
                 // no design can count them; each learns it lost its slot at its next renewal
-                // (tests/faults.rs). They no longer count here.
+                // (tests/faults.rs). They no longer count here, nor do holders planted before.
                 held.clear();
+                squatters = 0;
             }
         }
         let context = || format!("case {case} {kinds:?} (seed {seed})");
@@ -671,4 +672,138 @@ async fn a_newer_protocol_is_refused_and_nothing_written() {
     assert_eq!(before, after, "the newer protocol's meta was written");
     let dbsize: u64 = redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap();
     assert_eq!(dbsize, 1, "keys beside meta were written");
+}
+
+/// A server out of memory (`maxmemory`, nothing to evict) grants nothing new, with an error
+/// that says so, while a release still goes through; once memory is freed, acquires are
+/// granted again, still as functions (the library is not given up for scripts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_server_grants_nothing_new_and_takes_releases() {
+    let redis = Redis::start().await;
+    let mut conn = redis.conn().await;
+    let sem = Semaphore::builder("full")
+        .limit(3)
+        .build(redis.backend().await)
+        .unwrap();
+    let mut held = sem.acquire().await.unwrap();
+    let used: u64 = {
+        let info: String = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        info.lines()
+            .find_map(|line| line.strip_prefix("used_memory:"))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap()
+    };
+    cmd(
+        &mut conn,
+        &["CONFIG", "SET", "maxmemory-policy", "noeviction"],
+    )
+    .await;
+    cmd(
+        &mut conn,
+        &[
+            "CONFIG",
+            "SET",
+            "maxmemory",
+            &(used + 2_000_000).to_string(),
+        ],
+    )
+    .await;
+    cmd(&mut conn, &["SETRANGE", "ballast", "3000000", "x"]).await;
+    match sem.try_acquire().await {
+        Err(Error::Backend(e)) => {
+            let message = e.to_string();
+            assert!(message.contains("out of memory"), "{message}");
+        }
+        other => panic!("expected a refusal of a full server, got {other:?}"),
+    }
+    held.release()
+        .await
+        .expect("a release goes through on a full server");
+    let holders: u64 = redis::cmd("ZCARD")
+        .arg(key("full", "holders"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(holders, 0, "the release was not applied");
+    cmd(&mut conn, &["DEL", "ballast"]).await;
+    let scripts = support::command_calls_at(&redis.url, "eval").await
+        + support::command_calls_at(&redis.url, "evalsha").await;
+    let permit = sem.try_acquire().await.unwrap();
+    assert!(permit.is_some(), "memory freed, the semaphore grants again");
+    let after = support::command_calls_at(&redis.url, "eval").await
+        + support::command_calls_at(&redis.url, "evalsha").await;
+    assert_eq!(
+        scripts, after,
+        "the semaphore gave up its function for scripts"
+    );
+}
+
+/// Work a call leaves for later calls is done by them: 3 000 waiters of a process that died
+/// stand ahead of a live one (each call drops at most a budget of them) and a holder releases;
+/// the live waiter is granted, and the dead ones leave the line, within a bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_work_a_call_leaves_is_done_by_the_next() {
+    let redis = Redis::start().await;
+    let mut conn = redis.conn().await;
+    let sem = Semaphore::builder("rest")
+        .limit(1)
+        .acquire_timeout(Duration::from_secs(10))
+        .build(redis.backend().await)
+        .unwrap();
+    let mut held = sem.acquire().await.unwrap();
+    // (Scored ahead of any waiter this crate queues now, their liveness passed.)
+    let (s, _): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let mut queued = redis::cmd("ZADD");
+    let mut live = redis::cmd("ZADD");
+    queued.arg(key("rest", "queue"));
+    live.arg(key("rest", "alive"));
+    for i in 0..3_000u64 {
+        let member = format!("dead{i:012x}:1:2000");
+        // Rank 3 (NORMAL) × 2^48, arrivals from 1.
+        queued.arg(3 * (1u64 << 48) + 1 + i).arg(&member);
+        live.arg(s * 1000 - 1).arg(&member);
+    }
+    let _: () = queued.query_async(&mut conn).await.unwrap();
+    let _: () = live.query_async(&mut conn).await.unwrap();
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire().await }
+    });
+    support::eventually(Duration::from_secs(5), "the live waiter to queue", || {
+        let mut conn = conn.clone();
+        async move {
+            // (The only liveness deadline ahead of the planted ones.)
+            let live: u64 = redis::cmd("ZCOUNT")
+                .arg(key("rest", "alive"))
+                .arg(s * 1000)
+                .arg("+inf")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            live == 1
+        }
+    })
+    .await;
+    let started = Instant::now();
+    held.release().await.unwrap();
+    let permit = timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("the live waiter was granted within 5 s")
+        .unwrap()
+        .unwrap();
+    println!("granted {:?} after the release", started.elapsed());
+    support::eventually(
+        Duration::from_secs(5),
+        "the dead waiters to leave the line",
+        || {
+            let redis = &redis;
+            async move { redis.queue_len("rest").await == 0 }
+        },
+    )
+    .await;
+    drop(permit);
 }

@@ -18,7 +18,7 @@ pub(super) const WAITS: i64 = 2;
 /// The most releases one call carries, and the most members it acquires, touches or renews: a
 /// longer list is split across calls, so no call keeps Redis busy for long.
 pub(super) const MAX_RELEASES: usize = 32;
-pub(super) const MAX_MEMBERS: usize = 32;
+pub(super) const MAX_MEMBERS: usize = 16;
 
 /// What the script's error reply says when a newer protocol keeps the semaphore.
 pub(super) const NEWER: &str = "this build speaks protocol";

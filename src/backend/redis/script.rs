@@ -32,6 +32,9 @@ struct Prepared {
     /// A library's function: its name (`dlimit_` and the script's SHA, so versions that share
     /// a server keep theirs apart) and what `FUNCTION LOAD` registers it with.
     function: Option<(String, String)>,
+    /// The name the same function goes by for calls that grant (`acquire`): registered
+    /// without `allow-oom`, so a server out of memory refuses them.
+    granting: String,
 }
 
 impl Lua {
@@ -61,21 +64,27 @@ impl Lua {
                     text: self.source.to_owned(),
                     script: Script::new(self.source),
                     function: None,
+                    granting: String::new(),
                 };
             }
             let text = as_script(self.source);
             let script = Script::new(&text);
             let name = format!("dlimit_{}", &script.get_hash()[..16]);
-            // `allow-oom`: a release must go through on a full server, as a script's does.
+            let granting = format!("{name}_grant");
+            // `allow-oom`: a release, a renewal or a touch must go through on a full server;
+            // a call that grants (and may queue) is refused there, so a limiter never grows a
+            // Redis that is out of memory.
             let library = format!(
                 "#!lua name={name}\n{}redis.register_function{{function_name = '{name}', \
-                 callback = run, flags = {{'allow-oom'}}}}\n",
+                 callback = run, flags = {{'allow-oom'}}}}\n\
+                 redis.register_function{{function_name = '{granting}', callback = run}}\n",
                 self.source
             );
             Prepared {
                 text,
                 script,
                 function: Some((name, library)),
+                granting,
             }
         })
     }
@@ -230,7 +239,11 @@ async fn send(
         let mut command = match (tried.way, functions) {
             (Way::Function, Some((name, _))) => {
                 let mut command = redis::cmd("FCALL");
-                command.arg(name);
+                command.arg(if op == "acquire" {
+                    &prepared.granting
+                } else {
+                    name
+                });
                 command
             }
             (Way::Function | Way::Sha, _) => {
@@ -297,10 +310,12 @@ async fn send(
                         tracing::debug!(op, error = %e, "cannot load the library; a script instead");
                         // Refused or rejected by the server (an ACL, a Lua it cannot compile):
                         // scripts from now on. Lost on the way: only this call.
+                        // (Refused as out of memory: loaded at a later call, once there is room.)
                         if !(e.is_io_error()
                             || e.is_connection_dropped()
                             || e.is_timeout()
-                            || is_transient(&e))
+                            || is_transient(&e)
+                            || e.code() == Some("OOM"))
                         {
                             call.functions_refused.store(true, Ordering::Relaxed);
                         }

@@ -361,6 +361,17 @@ impl RedisSemaphore {
         if text.contains(NEWER) {
             return Error::config(format!("a newer build shares this semaphore: {text}"));
         }
+        if text.contains("command not allowed when used memory") {
+            // (The script form on a full server, or a grant refused there: see script.rs.)
+            return Error::backend(
+                format!(
+                    "{text}: Redis is out of memory (maxmemory), so no permit is granted until \
+                     memory is freed; releases and renewals still go through. Free memory or \
+                     raise maxmemory"
+                ),
+                None,
+            );
+        }
         match e {
             Error::Backend(mut e) if e.message.contains("holds a value of another type") => {
                 let _ = write!(

@@ -84,6 +84,13 @@ pub async fn show(fleet: &Fleet, name: &str, json: bool) -> Result<(), Failure> 
             tenant.tenant, tenant.waiting
         );
     }
+    let (protocols, warning) = fleet::protocols(&snap);
+    if !protocols.is_empty() {
+        println!("  protocol versions in the last hour: {protocols}");
+    }
+    if let Some(warning) = warning {
+        println!("  warning: {warning}");
+    }
     print_holders(snap.holders.iter());
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::{StreamExt, TryStreamExt, stream};
 use redis::Value;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use tower_distributed_limit::{RedisBackend, Semaphore, Snapshot};
+use tower_distributed_limit::{PROTOCOL_VERSION, RedisBackend, Semaphore, Snapshot};
 
 use crate::Failure;
 
@@ -362,6 +362,15 @@ pub fn semaphore_json(name: &str, snap: &Snapshot) -> serde_json::Value {
             })
         })
         .collect();
+    let protocols: Vec<serde_json::Value> = (snap.protocols.iter())
+        .map(|protocol| {
+            serde_json::json!({
+                "version": protocol.version,
+                "processes": protocol.processes,
+                "supported": protocol.is_supported(),
+            })
+        })
+        .collect();
     serde_json::json!({
         "name": name,
         "limit": limit(snap),
@@ -371,7 +380,33 @@ pub fn semaphore_json(name: &str, snap: &Snapshot) -> serde_json::Value {
         "holders": holders,
         "classes": classes,
         "tenants_waiting": tenants,
+        "protocols": protocols,
     })
+}
+
+/// The protocol versions active on a semaphore, as `show` and the page name them ("2 (3
+/// processes), 1 (1 process)"), and a warning when a version this build does not serve
+/// beside its own is among them (`None` when none is).
+pub fn protocols(snap: &Snapshot) -> (String, Option<String>) {
+    let text = (snap.protocols.iter().rev())
+        .map(|p| {
+            let s = if p.processes == 1 { "" } else { "es" };
+            format!("{} ({} process{s})", p.version, p.processes)
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    let unsupported: Vec<String> = (snap.protocols.iter())
+        .filter(|p| !p.is_supported())
+        .map(|p| p.version.to_string())
+        .collect();
+    let warning = (!unsupported.is_empty()).then(|| {
+        format!(
+            "protocol {} is not served beside this build's ({PROTOCOL_VERSION}) or the one \
+             before it: upgrade those processes, or this tool (docs/operations.md, Upgrading)",
+            unsupported.join(", ")
+        )
+    });
+    (text, warning)
 }
 
 /// A rate limiter as `/api/rate-limiters` prints it.

@@ -135,6 +135,23 @@ fn tables(out: &mut String, fleet: &Fleet, view: &View) {
                 "<span class=\"badge\">configuration</span>"
             },
         );
+        // A rolling deploy shows: more than one protocol version, or one not served beside
+        // this build's.
+        let (protocols, warning) = fleet::protocols(snap);
+        if snap.protocols.len() > 1 || warning.is_some() {
+            let _ = write!(
+                out,
+                "<tr class=\"versions\"><td></td><td colspan=\"7\"><span class=\"badge{}\" \
+                 title=\"{}\">protocol versions: {}</span></td></tr>",
+                if warning.is_some() { " warn" } else { "" },
+                html(
+                    warning
+                        .as_deref()
+                        .unwrap_or("processes of two builds share it: a rolling deploy")
+                ),
+                html(&protocols),
+            );
+        }
     }
     out.push_str("</tbody></table></div>");
 

@@ -110,6 +110,15 @@ local function step_line()
         firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
       end
     end
+    -- Waiters gone that this call had no budget for: nobody is admitted until a later call
+    -- (soon: `retry_in`) has them out, since one of them may stand first in line.
+    local gone_left = alive_at <= now
+    if gone_left then
+      unfinished = true
+      for r = 0, 7 do
+        waits_in[r] = true
+      end
+    end
     silent = {}
     anyone_silent = still_silent(silent_at)
     rank, head, at, passed = nil, {}, 1, 0
@@ -121,6 +130,9 @@ local function step_line()
       end
     end
     waiting = 0
+    if gone_left then
+      waiting, rank = 1, nil
+    end
     while rank and rank <= 7 do
       while true do
         local member = oldest()
@@ -152,7 +164,7 @@ local function step_line()
             blocked = blocked or rank
           end
           break
-        elseif not spend(2) then
+        elseif not spend(tenant and 4 or 2) then
           -- The rest are admitted by the next call, which `retry_in` brings soon; until then
           -- this class's newcomers queue behind them.
           waiting = 1

@@ -16,11 +16,11 @@ local UNKNOWN, HOLDS, WAITS = 0, 1, 2
 
 -- The most members one call carries to release, and the most it acquires, touches or renews: a
 -- process splits a longer list across calls.
-local MAX_RELEASES, MAX_MEMBERS = 32, 32
+local MAX_RELEASES, MAX_MEMBERS = 32, 16
 -- The most a call does of the work stored data sets (members dropped, admitted, passed over,
 -- promoted, clamped, read to rebuild the counters): the rest is left to later calls, which
 -- are told to come soon (`retry_in`). No stored data can lift it.
-local BUDGET = 64
+local BUDGET = 32
 -- The most holders a call reads to count their weight; with more, the weight held is taken as
 -- UNCOUNTED (above any limit) until they are fewer. And the fields meta holds at most beside
 -- twice the limit (each class's and tenant's count, the adaptive state, silence marks) before
