@@ -44,6 +44,11 @@ pub(in crate::backend) trait Reconnect: Send + Sync + 'static {
     fn attempt(&self) -> impl Future<Output = Result<(), RedisError>> + Send + '_;
     /// The server answers again: whatever was lost meanwhile is to be checked.
     fn reconnected(&self);
+    /// The server was just marked down: whoever waits on it is to be told `why` (the outage
+    /// policy decides them at once).
+    fn went_down(&self, why: String) {
+        let _ = why;
+    }
 }
 
 /// Up or down, and who probes.
@@ -139,12 +144,12 @@ impl Health {
         )
     }
 
-    /// Marks the server down for `reason`; logged once per transition.
-    fn mark_down(&self, reason: String) {
+    /// Marks the server down for `reason`; logged once per transition. Whether it was up.
+    fn mark_down(&self, reason: String) -> bool {
         let mut state = lock(&self.state);
         if self.down.swap(true, Ordering::AcqRel) {
             state.reason = reason;
-            return;
+            return false;
         }
         tracing::warn!(target: TARGET, backend = %self.label, %reason,
             "Redis is down: calls fail at once (the outage policy decides) while a probe reconnects");
@@ -152,6 +157,7 @@ impl Health {
         self.metrics.up.decrement(1.0);
         state.since = Instant::now();
         state.reason = reason;
+        true
     }
 
     /// The first connection attempt (not a probe's) reached the server.
@@ -247,16 +253,28 @@ pub(in crate::backend) fn gate<T: Reconnect>(server: &Arc<T>) -> Result<(), Erro
 /// timed out), it is marked down and probed.
 pub(in crate::backend) fn failed<T: Reconnect>(server: &Arc<T>, e: &RedisError) {
     if is_outage(e) {
-        server.health().mark_down(short(e));
-        probe(server, FIRST_PAUSE);
+        down(server, short(e));
     }
 }
 
 /// A call got no answer within its own bound (no `RedisError` to tell).
 pub(in crate::backend) fn timed_out<T: Reconnect>(server: &Arc<T>, bound: Duration) {
-    server
-        .health()
-        .mark_down(format!("no answer within {bound:?}"));
+    down(server, format!("no answer within {bound:?}"));
+}
+
+/// Marks the server down for `reason` and probes it; on the transition, those waiting on it
+/// are told.
+fn down<T: Reconnect>(server: &Arc<T>, reason: String) {
+    let health = server.health();
+    if health.mark_down(reason) {
+        let why = format!(
+            "Redis at {} went down ({}) while this caller waited in line, so it left the line \
+             for the outage policy to decide; a background probe reconnects by itself",
+            health.label,
+            lock(&health.state).reason
+        );
+        server.went_down(why);
+    }
     probe(server, FIRST_PAUSE);
 }
 
