@@ -135,8 +135,9 @@ impl HttpSettings {
 
 fn log(error: &Error, class: Option<Priority>) {
     match error {
+        // The limiter's outage log tells the outage at WARN, once.
         Error::Backend(_) => {
-            tracing::warn!(%error, "request refused: the limit's backend failed (fail closed)")
+            tracing::debug!(%error, "request refused: the limit's backend failed (fail closed)")
         }
         Error::BadKey(_) => tracing::debug!(%error, "request refused: bad partition key"),
         _ => {
