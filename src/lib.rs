@@ -79,7 +79,8 @@ mod waitlist;
 pub use adaptive::AdaptiveLimit;
 pub use ask::Ask;
 pub use backend::{
-    Backend, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend, RedisBackendBuilder,
+    Backend, BackendStatus, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend,
+    RedisBackendBuilder,
 };
 pub use backend::{RateBackend, RateDecision};
 pub use class::{Priority, Share};

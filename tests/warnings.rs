@@ -15,7 +15,8 @@ use tracing::{Event, Metadata, Subscriber};
 
 use support::{Redis, RedisProcess, eventually};
 
-/// Keeps the message of every WARN event, followed by its other fields (`name=value`).
+/// Keeps the message of every WARN and ERROR event (an ERROR's after `ERROR: `), followed by
+/// its other fields (`name=value`).
 #[derive(Clone, Default)]
 struct Warnings(Arc<Mutex<Vec<String>>>);
 
@@ -28,6 +29,14 @@ impl Warnings {
             tracing::subscriber::set_global_default(warnings.clone()).unwrap();
             warnings
         })
+    }
+
+    /// ERROR events that mention `text`.
+    fn errors_about(&self, text: &str) -> usize {
+        let seen = self.0.lock().unwrap();
+        (seen.iter())
+            .filter(|message| message.starts_with("ERROR: ") && message.contains(text))
+            .count()
     }
 
     fn mentioning(&self, text: &str) -> usize {
@@ -54,7 +63,7 @@ impl Visit for Message {
 
 impl Subscriber for Warnings {
     fn enabled(&self, metadata: &Metadata<'_>) -> bool {
-        *metadata.level() == tracing::Level::WARN
+        *metadata.level() <= tracing::Level::WARN
     }
     fn new_span(&self, _: &Attributes<'_>) -> Id {
         Id::from_u64(1)
@@ -64,7 +73,11 @@ impl Subscriber for Warnings {
     fn event(&self, event: &Event<'_>) {
         let mut message = Message::default();
         event.record(&mut message);
-        (self.0.lock().unwrap()).push(message.message + &message.fields);
+        let level = match *event.metadata().level() {
+            tracing::Level::ERROR => "ERROR: ",
+            _ => "",
+        };
+        (self.0.lock().unwrap()).push(format!("{level}{}{}", message.message, message.fields));
     }
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
@@ -203,4 +216,34 @@ async fn an_outage_logs_a_few_warnings_whatever_the_traffic() {
     println!("WARN lines over an outage: {few} for 10 requests, {many} for 500");
     assert!(many <= 4, "{many} WARN lines for 500 requests");
     assert_eq!(few, many, "as many WARN lines for 10 requests as for 500");
+}
+
+/// A wrong password is a configuration error: one ERROR, however many calls it refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_password_is_one_error_whatever_the_calls() {
+    let warnings = Warnings::installed();
+    let server = RedisProcess::start(|port, _| {
+        ["--port", &port.to_string(), "--requirepass", "s3cret"]
+            .map(String::from)
+            .to_vec()
+    })
+    .await;
+    let label = format!("127.0.0.1:{}", server.port);
+    let backend = RedisBackend::connect_lazy(&format!("redis://:wrong@{label}")).unwrap();
+    let sem = Semaphore::builder("refused")
+        .limit(1)
+        .on_outage(OutagePolicy::FailOpen)
+        .build(backend)
+        .unwrap();
+    eventually(Duration::from_secs(5), "the ERROR", || async {
+        warnings.errors_about(&label) == 1
+    })
+    .await;
+    for _ in 0..100 {
+        assert!(matches!(
+            sem.acquire().await,
+            Err(tower_distributed_limit::Error::AccessDenied(_))
+        ));
+    }
+    assert_eq!(warnings.errors_about(&label), 1);
 }

@@ -136,7 +136,7 @@ impl HttpSettings {
 fn log(error: &Error, class: Option<Priority>) {
     match error {
         // The limiter's outage log tells the outage at WARN, once.
-        Error::Backend(_) => {
+        Error::Backend(_) | Error::AccessDenied(_) => {
             tracing::debug!(%error, "request refused: the limit's backend failed (fail closed)")
         }
         Error::BadKey(_) => tracing::debug!(%error, "request refused: bad partition key"),

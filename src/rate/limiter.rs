@@ -321,7 +321,7 @@ impl RateLimiter {
         };
         match &decision {
             Ok(decision) => core.telemetry.decided(decision, key.is_some()),
-            Err(Error::Backend(_)) => core.telemetry.backend_error(),
+            Err(Error::Backend(_) | Error::AccessDenied(_)) => core.telemetry.backend_error(),
             Err(_) => {}
         }
         decision

@@ -332,7 +332,7 @@ impl Semaphore {
             Ok(None) => Outcome::Rejected,
             Err(Error::Timeout { .. }) => Outcome::Timeout,
             Err(Error::TooManyWaiters { .. }) => Outcome::TooManyWaiters,
-            Err(Error::Backend(_)) => {
+            Err(Error::Backend(_) | Error::AccessDenied(_)) => {
                 telemetry.backend_error(Op::Acquire);
                 Outcome::BackendError
             }

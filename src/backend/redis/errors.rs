@@ -30,7 +30,7 @@ pub(super) fn connect_error(e: RedisError, target: &Target, label: &str) -> Erro
              sentinel URLs, that they monitor a master of that name, and that it is up"
         )
     } else if let Some(problem) = access_problem(&e) {
-        format!("cannot connect to Redis at {label}: {problem}")
+        return Error::access_denied(format!("cannot connect to Redis at {label}: {problem}"));
     } else if target.tls && text.contains("certificate") {
         format!(
             "cannot open a TLS connection to Redis at {label}: the server's certificate is not \
@@ -59,7 +59,7 @@ pub(super) fn connect_error(e: RedisError, target: &Target, label: &str) -> Erro
 }
 
 /// Credentials or permissions the server refused, in words that say what to change.
-fn access_problem(e: &RedisError) -> Option<&'static str> {
+pub(in crate::backend) fn access_problem(e: &RedisError) -> Option<&'static str> {
     let code = e.code();
     if e.kind() == ErrorKind::AuthenticationFailed || matches!(code, Some("NOAUTH" | "WRONGPASS")) {
         Some(
@@ -111,10 +111,7 @@ const SCRIPT_REFUSED: &str = "The user executing the script can't";
 pub(super) fn redis_error(e: RedisError, what: &str, label: &str) -> Error {
     let message = if let Some(problem) = access_problem(&e) {
         // The server's words add nothing here, and its error's chain repeats them.
-        return Error::backend(
-            format!("Redis at {label} refused `{what}`: {problem}"),
-            None,
-        );
+        return Error::access_denied(format!("Redis at {label} refused `{what}`: {problem}"));
     } else if e.is_timeout() {
         format!(
             "Redis at {label} did not answer `{what}` within the call timeout; it may be \
