@@ -360,7 +360,7 @@ pub(in crate::backend) fn gate<T: Reconnect>(server: &Arc<T>) -> Result<(), Erro
 /// timed out), it is marked down and probed.
 pub(in crate::backend) fn failed<T: Reconnect>(server: &Arc<T>, e: &RedisError) {
     if let Some(problem) = access_problem(e) {
-        server.health().deny(problem);
+        server.health().deny(&problem);
     } else if is_outage(e) {
         down(server, short(e));
     }
@@ -482,7 +482,7 @@ async fn run<T: Reconnect>(guard: ProbeGuard<T>, first: Duration) {
             }
             Ok(Err(e)) => {
                 if let Some(problem) = access_problem(&e) {
-                    health.deny(problem);
+                    health.deny(&problem);
                 }
                 health.note(short(&e));
             }
