@@ -57,6 +57,9 @@
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+// docs.rs builds with every feature and `--cfg docsrs` (see Cargo.toml): each feature-gated
+// item says which feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod adaptive;
 mod ask;
