@@ -98,6 +98,15 @@ pub enum Error {
     /// type under the key prefix. The message says which and what to do.
     #[error(transparent)]
     Backend(#[from] BackendError),
+
+    /// Redis refused this process's credentials (no password, a wrong one, a disabled user) or
+    /// its user's ACL permissions (`NOPERM`): a configuration error, not an outage, so no
+    /// [`OutagePolicy`](crate::OutagePolicy) decides the call (`FailOpen` does not admit it).
+    /// The message says what to change; retrying does not help until it is changed.
+    /// [`RedisBackend::status`](crate::RedisBackend::status) reports it to a readiness probe,
+    /// and it is logged at ERROR once.
+    #[error(transparent)]
+    AccessDenied(BackendError),
 }
 
 /// What went wrong in a backend, with the client library's error as its
@@ -119,6 +128,13 @@ impl Error {
         Error::Backend(BackendError {
             message: message.into(),
             source: source.into(),
+        })
+    }
+
+    pub(crate) fn access_denied(message: impl Into<String>) -> Self {
+        Error::AccessDenied(BackendError {
+            message: message.into(),
+            source: None,
         })
     }
 }

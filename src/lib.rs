@@ -57,6 +57,9 @@
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+// docs.rs builds with every feature and `--cfg docsrs` (see Cargo.toml): each feature-gated
+// item says which feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod adaptive;
 mod ask;
@@ -79,7 +82,8 @@ mod waitlist;
 pub use adaptive::AdaptiveLimit;
 pub use ask::Ask;
 pub use backend::{
-    Backend, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend, RedisBackendBuilder,
+    Backend, BackendStatus, MemoryBackend, QuorumBackend, QuorumBackendBuilder, RedisBackend,
+    RedisBackendBuilder,
 };
 pub use backend::{RateBackend, RateDecision};
 pub use class::{Priority, Share};

@@ -9,7 +9,9 @@
 //! was told of: [`Waitlist::check_by`]), it refreshes all local waiters in one
 //! [`Refresh::touch`] and collects grants whose announcement was lost. A backend that announces
 //! over a subscription (Redis pub/sub) is asked to subscribe while the list has queued waiters,
-//! and to stop once it has been idle a while.
+//! and to stop once it has been idle a while. A backend found down tells its hub
+//! ([`Hub::down`]): every queued waiter leaves the line at once with the backend's error, so
+//! the outage policy decides them all together rather than one per refresh.
 //!
 //! This module knows no backend: backends implement [`Refresh`] and hand grants in.
 
@@ -112,7 +114,12 @@ pub(crate) type SubscribeRequests = mpsc::UnboundedSender<Arc<Waitlist>>;
 pub(crate) struct Hub {
     lists: Mutex<Lists>,
     subscribe: Option<SubscribeRequests>,
+    outage: Outage,
 }
+
+/// Why the backend is down, while it is: shared by a hub and its lists, so a waiter whose
+/// first call queued it just as the backend was found down leaves too.
+type Outage = Arc<Mutex<Option<Arc<str>>>>;
 
 #[derive(Default)]
 struct Lists {
@@ -128,6 +135,7 @@ impl Hub {
         Hub {
             lists: Mutex::default(),
             subscribe,
+            outage: Outage::default(),
         }
     }
 
@@ -146,6 +154,7 @@ impl Hub {
         let list = Arc::new(Waitlist {
             key: key.clone(),
             subscribe: self.subscribe.clone(),
+            outage: self.outage.clone(),
             state: Mutex::new(Line {
                 entries: BTreeMap::new(),
                 by_member: HashMap::new(),
@@ -171,14 +180,37 @@ impl Hub {
 
     /// Announcements may have been lost (a reconnect): every list checks its waiters.
     pub(crate) fn touch_everyone(&self) {
-        let lists: Vec<_> = lock(&self.lists)
-            .by_key
-            .values()
-            .filter_map(Weak::upgrade)
-            .collect();
-        for list in lists {
+        for list in self.lists() {
             list.touch_soon();
         }
+    }
+
+    /// The backend was found down (`why`: the error its waiters get): every queued waiter
+    /// leaves the line now, and so does any that queues until [`Hub::up`]. A grant already
+    /// announced to one still counts.
+    pub(crate) fn down(&self, why: String) {
+        *lock(&self.outage) = Some(why.into());
+        for list in self.lists() {
+            let mut state = list.state();
+            let queued: Vec<Arc<str>> = (state.entries.values())
+                .filter(|entry| entry.queued)
+                .map(|entry| entry.member.clone())
+                .collect();
+            for member in queued {
+                state.tell(&member, Event::Down);
+            }
+        }
+    }
+
+    /// The backend answers again: waiters stay in line.
+    pub(crate) fn up(&self) {
+        *lock(&self.outage) = None;
+    }
+
+    fn lists(&self) -> Vec<Arc<Waitlist>> {
+        (lock(&self.lists).by_key.values())
+            .filter_map(Weak::upgrade)
+            .collect()
     }
 }
 
@@ -193,6 +225,7 @@ enum Subscription {
 pub struct Waitlist {
     key: Arc<str>,
     subscribe: Option<SubscribeRequests>,
+    outage: Outage,
     state: Mutex<Line>,
 }
 
@@ -228,6 +261,8 @@ enum Event {
     Retry,
     /// This waiter is the oldest and should refresh the line.
     Touch,
+    /// The backend was found down: leave the line, for the outage policy to decide.
+    Down,
 }
 
 impl Line {
@@ -353,6 +388,16 @@ impl Waitlist {
         false
     }
 
+    /// What a waiter that leaves the line for an outage ([`Hub::down`]) is told.
+    fn outage_error(&self) -> Error {
+        let why = lock(&self.outage).clone();
+        Error::backend(
+            why.as_deref()
+                .unwrap_or("the backend was found down while this caller waited in line"),
+            None,
+        )
+    }
+
     /// The members waiting in the backend's line, for one refresh.
     fn queued_members(&self) -> Vec<Arc<str>> {
         self.state()
@@ -431,6 +476,7 @@ impl Ticket {
                     return Ok(Wake::Granted { token, until });
                 }
                 Event::Retry => return Ok(Wake::Forgotten),
+                Event::Down => return Err(self.list.outage_error()),
                 Event::Touch => {
                     let members = self.list.queued_members();
                     let sent = Instant::now();
@@ -464,11 +510,16 @@ impl Ticket {
         })
     }
 
-    /// The attempt queued this waiter in the backend: listen for its grant.
+    /// The attempt queued this waiter in the backend: listen for its grant (or leave at once
+    /// when the backend was found down meanwhile).
     fn queued(&self) {
+        let down = lock(&self.list.outage).is_some();
         let mut state = self.list.state();
         if let Some(entry) = state.entries.get_mut(&self.seq) {
             entry.queued = true;
+        }
+        if down {
+            state.tell(&self.member, Event::Down);
         }
         self.list.request_subscription(&mut state);
     }
@@ -750,6 +801,33 @@ mod tests {
         // The backend does not confirm b's announcement (its replicas never acknowledged it).
         assert!(matches!(second.await.unwrap(), Ok(Wake::Forgotten)));
         assert_eq!(backend.touches(), [vec![a], vec![b]]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_backend_found_down_sends_every_queued_waiter_away_at_once() {
+        let (hub, backend, list, [a, _], [first, second]) = two_in_line().await;
+        // A grant announced before the outage still counts.
+        list.grant(&a, 4, Until::Local(Instant::now() + FAR));
+        hub.down("Redis went down".into());
+        assert!(matches!(
+            first.await.unwrap(),
+            Ok(Wake::Granted { token: 4, .. })
+        ));
+        let Err(e) = second.await.unwrap() else {
+            panic!("the waiter left the line")
+        };
+        assert_eq!(e.to_string(), "Redis went down");
+        // A waiter whose first call queued it just as the backend was found down leaves too.
+        let late = wait(&list, &backend, &member("c"), Instant::now() + FAR);
+        assert!(late.await.unwrap().is_err());
+        assert!(list.state().entries.is_empty(), "every ticket left");
+        // Back up: waiters stay in line again.
+        hub.up();
+        let after = wait(&list, &backend, &member("d"), Instant::now() + FAR);
+        run_tasks().await;
+        assert!(!after.is_finished());
+        assert!(backend.touches().is_empty(), "no call was needed");
+        after.abort();
     }
 
     #[tokio::test]

@@ -3,7 +3,7 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::io::AsyncWriteExt;
 use tower_distributed_limit::{Error, OutagePolicy, RedisBackend, Semaphore};
@@ -73,6 +73,14 @@ async fn child_process() {
             for waiter in waiters {
                 let _ = waiter.await;
             }
+        }
+        role if role.starts_with("ten-waiters ") => {
+            let policy = policy_named(&role["ten-waiters ".len()..]);
+            let sem = outage_line(policy, outage_backend(&url).await);
+            let decided = ten_waiters(&sem);
+            println!("DLIMIT started");
+            let said: Vec<String> = decided.await.iter().map(Decided::to_string).collect();
+            println!("DLIMIT {}", said.join(" "));
         }
         other => panic!("unknown role {other}"),
     }
@@ -498,4 +506,171 @@ async fn each_outage_policy_does_what_it_says() {
         || async { matches!(open.try_acquire().await, Ok(Some(p)) if !p.is_degraded()) },
     )
     .await;
+}
+
+/// The call timeout of the backends whose waiters Redis dies under: every waiter must be
+/// decided within it (plus [`SLACK`]) of the kill.
+const CALL: Duration = Duration::from_millis(500);
+const SLACK: Duration = Duration::from_millis(100);
+
+async fn outage_backend(url: &str) -> RedisBackend {
+    RedisBackend::builder(url)
+        .call_timeout(CALL)
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// One slot, long waits: whoever waits is still in line when Redis dies.
+fn outage_line(policy: OutagePolicy, backend: RedisBackend) -> Semaphore {
+    Semaphore::builder("outage-line")
+        .limit(1)
+        .lease(Duration::from_secs(30))
+        .acquire_timeout(Duration::from_secs(20))
+        .on_outage(policy)
+        .build(backend)
+        .unwrap()
+}
+
+fn policy_named(name: &str) -> OutagePolicy {
+    match name {
+        "open" => OutagePolicy::FailOpen,
+        "closed" => OutagePolicy::FailClosed,
+        "local" => OutagePolicy::Local { limit: 10 },
+        other => panic!("unknown policy {other}"),
+    }
+}
+
+/// How one waiter's acquire ended, and when (µs since the epoch: comparable across processes).
+struct Decided {
+    at_us: u128,
+    outcome: &'static str,
+}
+
+impl std::fmt::Display for Decided {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.at_us, self.outcome)
+    }
+}
+
+impl std::str::FromStr for Decided {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (at, outcome) = s.split_once(':').ok_or(s)?;
+        let outcome = ["degraded", "held", "backend", "other"]
+            .into_iter()
+            .find(|known| *known == outcome)
+            .ok_or(s)?;
+        Ok(Decided {
+            at_us: at.parse().map_err(|_| s.to_owned())?,
+            outcome,
+        })
+    }
+}
+
+fn now_us() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros()
+}
+
+/// Ten waiters on `sem`, started now; resolves to how each ended, in the order they queued.
+fn ten_waiters(sem: &Semaphore) -> impl std::future::Future<Output = Vec<Decided>> + use<> {
+    let waiters: Vec<_> = (0..10)
+        .map(|_| {
+            let sem = sem.clone();
+            tokio::spawn(async move {
+                let outcome = match sem.acquire().await {
+                    Ok(permit) if permit.is_degraded() => "degraded",
+                    Ok(_) => "held",
+                    Err(Error::Backend(_)) => "backend",
+                    Err(_) => "other",
+                };
+                // A permit is dropped here: a degraded one frees its local slot only.
+                Decided {
+                    at_us: now_us(),
+                    outcome,
+                }
+            })
+        })
+        .collect();
+    async move {
+        let mut decided = Vec::with_capacity(waiters.len());
+        for waiter in waiters {
+            decided.push(waiter.await.unwrap());
+        }
+        decided
+    }
+}
+
+/// Ten waiters in each of two processes queue on a full semaphore, then Redis is killed: every
+/// one of them is decided by `policy` within the call timeout (+ 100 ms) of the kill, not one
+/// per keepalive as the oldest waiter's refresh finds the server gone (5 s for 6 waiters
+/// before), each with `expected`.
+async fn every_waiter_is_decided_at_once(policy: &str, expected: &str) {
+    let mut redis = Redis::start().await;
+    let sem = outage_line(policy_named(policy), outage_backend(&redis.url).await);
+    let _held = sem.acquire().await.unwrap();
+    let mut child = spawn_child(&redis, &format!("ten-waiters {policy}"));
+    assert_eq!(child_says(&mut child).await, "started");
+    let ours = ten_waiters(&sem);
+    eventually(
+        Duration::from_secs(10),
+        "twenty waiters in line",
+        || async { redis.queue_len("outage-line").await == 20 },
+    )
+    .await;
+
+    let killed = now_us();
+    redis.kill();
+    let ours = tokio::time::timeout(Duration::from_secs(30), ours)
+        .await
+        .expect("our waiters decided");
+    let theirs: Vec<Decided> = child_says(&mut child)
+        .await
+        .split(' ')
+        .map(|d| d.parse().unwrap())
+        .collect();
+    let (ours_after, theirs_after) = (since(killed, &ours), since(killed, &theirs));
+    println!(
+        "{policy}: decided after the kill, ours {ours_after:.1?}, the child's {theirs_after:.1?}"
+    );
+    for (process, decided, after) in [
+        ("ours", &ours, &ours_after),
+        ("the child's", &theirs, &theirs_after),
+    ] {
+        assert_eq!(decided.len(), 10);
+        for (i, (d, took)) in decided.iter().zip(after).enumerate() {
+            assert_eq!(d.outcome, expected, "{process} waiter {i}");
+            assert!(
+                *took <= CALL + SLACK,
+                "{process} waiter {i} decided {took:?} after the kill: {after:.1?}"
+            );
+        }
+    }
+    assert!(child.wait().await.unwrap().success());
+}
+
+/// How long after `killed` each waiter was decided.
+fn since(killed: u128, decided: &[Decided]) -> Vec<Duration> {
+    (decided.iter())
+        .map(|d| Duration::from_micros(d.at_us.saturating_sub(killed) as u64))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_waiter_in_line_is_admitted_at_once_when_redis_dies_under_fail_open() {
+    every_waiter_is_decided_at_once("open", "degraded").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_waiter_in_line_is_refused_at_once_when_redis_dies_under_fail_closed() {
+    every_waiter_is_decided_at_once("closed", "backend").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_waiter_in_line_is_admitted_locally_at_once_when_redis_dies_under_local() {
+    every_waiter_is_decided_at_once("local", "degraded").await;
 }

@@ -16,7 +16,7 @@ use tower_distributed_limit::{
     Priority, RateLimiter, RedisBackend, Semaphore,
 };
 
-use support::{Redis, eventually};
+use support::{Redis, RedisProcess, eventually};
 
 type Series = (String, Vec<(String, String)>);
 
@@ -319,4 +319,27 @@ async fn every_metric_is_emitted_with_its_labels() {
         (decisions("c", "allowed"), decisions("c", "limited")),
         (1.0, 1.0)
     );
+
+    // A wrong password is no outage: `dlimit_backend_denied` says so while the backend lives.
+    let guarded = RedisProcess::start(|port, _| {
+        ["--port", &port.to_string(), "--requirepass", "s3cret"]
+            .map(String::from)
+            .to_vec()
+    })
+    .await;
+    let server = format!("127.0.0.1:{}", guarded.port);
+    let denied = || metrics.get("dlimit_backend_denied", &[("backend", server.as_str())]);
+    let backend = RedisBackend::connect_lazy(&format!("redis://:wrong@{server}")).unwrap();
+    eventually(Duration::from_secs(5), "dlimit_backend_denied", || async {
+        denied() == 1.0
+    })
+    .await;
+    // Its probe may be mid-attempt, holding the backend a moment longer.
+    drop(backend);
+    eventually(
+        Duration::from_secs(5),
+        "dlimit_backend_denied gone",
+        || async { denied() == 0.0 },
+    )
+    .await;
 }

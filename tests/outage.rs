@@ -8,7 +8,9 @@ mod support;
 use std::time::{Duration, Instant};
 
 use tokio::io::AsyncReadExt;
-use tower_distributed_limit::{Error, OutagePolicy, QuorumBackend, RedisBackend, Semaphore};
+use tower_distributed_limit::{
+    BackendStatus, Error, OutagePolicy, QuorumBackend, RateLimiter, RedisBackend, Semaphore,
+};
 
 use support::{Redis, RedisProcess, eventually, free_port, long_lived, signal};
 
@@ -567,7 +569,7 @@ async fn a_command_refused_inside_the_script_is_named_among_those_to_allow() {
     let Err(e) = sem.acquire().await else {
         panic!("acquired without ZADD");
     };
-    assert!(matches!(e, Error::Backend(_)), "{e:?}");
+    assert!(matches!(e, Error::AccessDenied(_)), "{e:?}");
     let text = chain(&e);
     assert!(text.contains("inside EVAL"), "{text}");
     assert!(text.contains("ZADD"), "{text}");
@@ -711,4 +713,90 @@ async fn a_quorum_with_two_of_three_nodes_down_fails_fast() {
     let started = Instant::now();
     assert!(matches!(sem.acquire().await, Err(Error::Backend(_))));
     assert!(started.elapsed() <= Duration::from_millis(100));
+}
+
+const POLICIES: [OutagePolicy; 3] = [
+    OutagePolicy::FailClosed,
+    OutagePolicy::FailOpen,
+    OutagePolicy::Local { limit: 4 },
+];
+
+/// Under every outage policy, a semaphore and a rate limiter on `backend` answer each call
+/// with `Error::AccessDenied` whose text contains `says`, and decide none by the policy.
+async fn every_policy_is_denied(backend: &RedisBackend, says: &str) {
+    for (i, policy) in POLICIES.into_iter().enumerate() {
+        let sem = semaphore(&format!("denied-{i}"), policy, backend.clone());
+        let rate = RateLimiter::builder(format!("denied-{i}"))
+            .rate(100, Duration::from_secs(1))
+            .on_outage(policy)
+            .build(backend.clone())
+            .unwrap();
+        let outcomes = [
+            sem.acquire().await.map(drop),
+            sem.try_acquire().await.map(drop),
+            rate.check().await.map(drop),
+        ];
+        for outcome in outcomes {
+            let Err(e @ Error::AccessDenied(_)) = &outcome else {
+                panic!("{policy:?}: {outcome:?}")
+            };
+            let text = chain(e);
+            assert!(text.contains(says), "{policy:?}: {text}");
+        }
+        assert_eq!(sem.outage_decisions(), 0, "{policy:?}");
+        assert_eq!(rate.outage_decisions(), 0, "{policy:?}");
+    }
+}
+
+/// The backend's status, once it is `Denied` (the probe or a call heard the refusal).
+async fn denied_status(backend: &RedisBackend) -> String {
+    eventually(
+        Duration::from_secs(5),
+        "the status to say Denied",
+        || async { matches!(backend.status(), BackendStatus::Denied { .. }) },
+    )
+    .await;
+    match backend.status() {
+        BackendStatus::Denied { reason } => reason,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A wrong password under `connect_lazy` is not an outage: every call is refused with
+/// `Error::AccessDenied` saying where the password goes, whatever the policy (`FailOpen` once
+/// admitted them all, with no limit), and the status tells a readiness probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_under_connect_lazy_is_denied_under_every_policy() {
+    let server = RedisProcess::start(|port, _| {
+        ["--port", &port.to_string(), "--requirepass", "s3cret"]
+            .map(String::from)
+            .to_vec()
+    })
+    .await;
+    let url = format!("redis://:wrong@127.0.0.1:{}", server.port);
+    let backend = quick(&url).connect_lazy().unwrap();
+    let reason = denied_status(&backend).await;
+    assert!(reason.contains("authentication failed"), "{reason}");
+    assert!(reason.contains("redis://:password@host"), "{reason}");
+    every_policy_is_denied(&backend, "authentication failed").await;
+    assert!(matches!(backend.status(), BackendStatus::Denied { .. }));
+}
+
+/// A user without commands the scripts run (ZADD for the semaphore, SET for the rate limiter),
+/// under `connect_lazy`: the server answers, but every call is refused with
+/// `Error::AccessDenied` naming the commands to allow, whatever the policy, and the status
+/// says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_missing_a_permission_under_connect_lazy_is_denied_under_every_policy() {
+    let (_server, url) = with_user("~* &* +@all -zadd -set").await;
+    let backend = quick(&url).connect_lazy().unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "the lazy backend to connect",
+        || async { backend.status() == BackendStatus::Up },
+    )
+    .await;
+    every_policy_is_denied(&backend, "ZADD").await;
+    let reason = denied_status(&backend).await;
+    assert!(reason.contains("ZADD"), "{reason}");
 }

@@ -22,6 +22,7 @@ use redis::RedisError;
 
 use tokio::sync::Notify;
 
+use super::redis::access_problem;
 use crate::Error;
 use crate::sync::lock;
 
@@ -36,6 +37,52 @@ const FIRST_PAUSE: Duration = Duration::from_millis(50);
 /// The `tracing` target of the up/down transitions.
 const TARGET: &str = "tower_distributed_limit::backend";
 
+/// How long a refusal of the user's permissions by a server that is up (`NOPERM`) is reported
+/// by [`BackendStatus`] after it was last seen: no call tells when the ACL was fixed.
+const DENIAL_SHOWN: Duration = Duration::from_secs(60);
+
+/// What a readiness probe needs to know of a backend's server, from
+/// [`RedisBackend::status`](crate::RedisBackend::status).
+///
+/// # Example
+///
+/// ```no_run
+/// use tower_distributed_limit::{BackendStatus, RedisBackend};
+///
+/// # fn ready(redis: &RedisBackend) -> bool {
+/// match redis.status() {
+///     BackendStatus::Up => true,
+///     // The outage policy decides meanwhile; a probe reconnects by itself.
+///     BackendStatus::Down { .. } => true,
+///     // A configuration error: not ready until the credentials or the ACL are fixed.
+///     BackendStatus::Denied { reason } => {
+///         eprintln!("{reason}");
+///         false
+///     }
+///     _ => false,
+/// }
+/// # }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackendStatus {
+    /// The server answers.
+    Up,
+    /// The server cannot be reached (refused, dropped, too slow, not reached yet): calls fail
+    /// at once and the outage policy decides; a background probe reconnects by itself.
+    Down {
+        /// The last failure, in a few words.
+        reason: String,
+    },
+    /// The server refused this process's credentials, or (within the last minute) its user's
+    /// ACL permissions: calls fail with [`Error::AccessDenied`], whatever the outage policy,
+    /// until the configuration is fixed.
+    Denied {
+        /// What was refused and what to change.
+        reason: String,
+    },
+}
+
 /// A server that can be probed: its [`Health`], and one attempt to reach it.
 pub(in crate::backend) trait Reconnect: Send + Sync + 'static {
     fn health(&self) -> &Health;
@@ -44,6 +91,11 @@ pub(in crate::backend) trait Reconnect: Send + Sync + 'static {
     fn attempt(&self) -> impl Future<Output = Result<(), RedisError>> + Send + '_;
     /// The server answers again: whatever was lost meanwhile is to be checked.
     fn reconnected(&self);
+    /// The server was just marked down: whoever waits on it is to be told `why` (the outage
+    /// policy decides them at once).
+    fn went_down(&self, why: String) {
+        let _ = why;
+    }
 }
 
 /// Up or down, and who probes.
@@ -70,12 +122,16 @@ struct State {
     probes: u64,
     /// The server was never reached yet (a lazy start): its first success is no recovery.
     never_up: bool,
+    /// The server refused the credentials or the permissions: what to change, and when it
+    /// was last seen.
+    denied: Option<(String, Instant)>,
 }
 
 #[cfg(feature = "metrics")]
 struct Metrics {
     up: metrics::Gauge,
     fast_failed: metrics::Counter,
+    denied: metrics::Gauge,
 }
 
 impl Health {
@@ -88,6 +144,7 @@ impl Health {
             let backend = metrics::SharedString::from(label.clone());
             Metrics {
                 up: metrics::gauge!("dlimit_backend_up", "backend" => backend.clone()),
+                denied: metrics::gauge!("dlimit_backend_denied", "backend" => backend.clone()),
                 fast_failed: metrics::counter!("dlimit_backend_fast_failures_total", "backend" => backend),
             }
         };
@@ -101,6 +158,7 @@ impl Health {
                 probe: None,
                 probes: 0,
                 never_up: true,
+                denied: None,
             }),
             kick: Arc::default(),
             #[cfg(feature = "metrics")]
@@ -122,11 +180,57 @@ impl Health {
         &self.label
     }
 
+    /// Up, down, or refusing this process's credentials or permissions.
+    pub(in crate::backend) fn status(&self) -> BackendStatus {
+        let state = lock(&self.state);
+        let up = self.is_up();
+        match &state.denied {
+            Some((reason, seen)) if !up || seen.elapsed() < DENIAL_SHOWN => BackendStatus::Denied {
+                reason: reason.clone(),
+            },
+            _ if up => BackendStatus::Up,
+            _ => BackendStatus::Down {
+                reason: state.reason.clone(),
+            },
+        }
+    }
+
+    /// The server refused the credentials or permissions (`problem`: what to change): logged
+    /// at ERROR once, until it accepts them again.
+    fn deny(&self, problem: &str) {
+        let mut state = lock(&self.state);
+        let first = state.denied.is_none();
+        let reason = format!(
+            "Redis at {} refused this process's credentials or permissions: {problem}. Calls \
+             fail with this error (no outage policy admits them) until it is fixed",
+            self.label
+        );
+        if first {
+            tracing::error!(target: TARGET, backend = %self.label, %reason,
+                "Redis refused this process's credentials or permissions: a configuration error, not an outage");
+            #[cfg(feature = "metrics")]
+            self.metrics.denied.increment(1.0);
+        }
+        state.denied = Some((reason, Instant::now()));
+    }
+
+    /// Forgets a refusal: the server accepted the credentials (a probe reached it), or is down.
+    fn accepted(&self, state: &mut State) {
+        if state.denied.take().is_some() {
+            tracing::info!(target: TARGET, backend = %self.label, "Redis no longer refuses this process's credentials");
+            #[cfg(feature = "metrics")]
+            self.metrics.denied.decrement(1.0);
+        }
+    }
+
     /// Why calls fail at once now, for the error they get.
     fn refusal(&self) -> Error {
         #[cfg(feature = "metrics")]
         self.metrics.fast_failed.increment(1);
         let state = lock(&self.state);
+        if let Some((reason, _)) = &state.denied {
+            return Error::access_denied(reason.clone());
+        }
         Error::backend(
             format!(
                 "Redis at {} is down ({}, {:.1?} ago), so the call was refused at once; a \
@@ -139,19 +243,23 @@ impl Health {
         )
     }
 
-    /// Marks the server down for `reason`; logged once per transition.
-    fn mark_down(&self, reason: String) {
+    /// Marks the server down for `reason`; logged once per transition. Whether it was up.
+    fn mark_down(&self, reason: String) -> bool {
         let mut state = lock(&self.state);
         if self.down.swap(true, Ordering::AcqRel) {
             state.reason = reason;
-            return;
+            return false;
         }
         tracing::warn!(target: TARGET, backend = %self.label, %reason,
             "Redis is down: calls fail at once (the outage policy decides) while a probe reconnects");
         #[cfg(feature = "metrics")]
         self.metrics.up.decrement(1.0);
+        // An outage, whatever was refused before: the policy decides until the probe hears
+        // the server refuse again.
+        self.accepted(&mut state);
         state.since = Instant::now();
         state.reason = reason;
+        true
     }
 
     /// The first connection attempt (not a probe's) reached the server.
@@ -169,6 +277,7 @@ impl Health {
         if state.probe.is_some_and(|(running, _)| running == id) {
             state.probe = None;
         }
+        self.accepted(&mut state);
         if !self.down.swap(false, Ordering::AcqRel) {
             return false;
         }
@@ -222,12 +331,16 @@ impl Health {
     }
 }
 
-/// A backend that goes away while up takes its share of `dlimit_backend_up` with it.
+/// A backend that goes away while up (or refused) takes its share of `dlimit_backend_up` (or
+/// `dlimit_backend_denied`) with it.
 #[cfg(feature = "metrics")]
 impl Drop for Health {
     fn drop(&mut self) {
         if self.is_up() {
             self.metrics.up.decrement(1.0);
+        }
+        if lock(&self.state).denied.is_some() {
+            self.metrics.denied.decrement(1.0);
         }
     }
 }
@@ -246,17 +359,31 @@ pub(in crate::backend) fn gate<T: Reconnect>(server: &Arc<T>) -> Result<(), Erro
 /// A call failed with `e`: when that means the server is unreachable (refused, dropped,
 /// timed out), it is marked down and probed.
 pub(in crate::backend) fn failed<T: Reconnect>(server: &Arc<T>, e: &RedisError) {
-    if is_outage(e) {
-        server.health().mark_down(short(e));
-        probe(server, FIRST_PAUSE);
+    if let Some(problem) = access_problem(e) {
+        server.health().deny(&problem);
+    } else if is_outage(e) {
+        down(server, short(e));
     }
 }
 
 /// A call got no answer within its own bound (no `RedisError` to tell).
 pub(in crate::backend) fn timed_out<T: Reconnect>(server: &Arc<T>, bound: Duration) {
-    server
-        .health()
-        .mark_down(format!("no answer within {bound:?}"));
+    down(server, format!("no answer within {bound:?}"));
+}
+
+/// Marks the server down for `reason` and probes it; on the transition, those waiting on it
+/// are told.
+fn down<T: Reconnect>(server: &Arc<T>, reason: String) {
+    let health = server.health();
+    if health.mark_down(reason) {
+        let why = format!(
+            "Redis at {} went down ({}) while this caller waited in line, so it left the line \
+             for the outage policy to decide; a background probe reconnects by itself",
+            health.label,
+            lock(&health.state).reason
+        );
+        server.went_down(why);
+    }
     probe(server, FIRST_PAUSE);
 }
 
@@ -353,7 +480,12 @@ async fn run<T: Reconnect>(guard: ProbeGuard<T>, first: Duration) {
                 }
                 return;
             }
-            Ok(Err(e)) => health.note(short(&e)),
+            Ok(Err(e)) => {
+                if let Some(problem) = access_problem(&e) {
+                    health.deny(&problem);
+                }
+                health.note(short(&e));
+            }
             Err(_) => health.note(format!("no answer within {:?}", health.bound)),
         }
     }
@@ -368,6 +500,11 @@ fn describe() {
             "dlimit_backend_up",
             Unit::Count,
             "1 while the Redis server (label backend) answers, 0 while it is down (summed over this process's backends connected to it)"
+        );
+        describe_gauge!(
+            "dlimit_backend_denied",
+            Unit::Count,
+            "1 while the Redis server (label backend) refuses this process's credentials or permissions, a configuration error, not an outage (summed over this process's backends connected to it)"
         );
         describe_counter!(
             "dlimit_backend_fast_failures_total",

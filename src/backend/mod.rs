@@ -13,6 +13,7 @@ mod quorum;
 mod redis;
 mod store;
 
+pub use self::health::BackendStatus;
 pub use self::memory::MemoryBackend;
 pub use self::quorum::{QuorumBackend, QuorumBackendBuilder};
 pub use self::redis::{RedisBackend, RedisBackendBuilder};

@@ -23,6 +23,7 @@ use super::token::FencingToken;
 ///     .layer(DistributedConcurrencyLimitLayer::new(sem).http());
 /// # let _ = app;
 /// ```
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl<S: Sync> FromRequestParts<S> for FencingToken {
     type Rejection = (StatusCode, &'static str);
 

@@ -135,8 +135,9 @@ impl HttpSettings {
 
 fn log(error: &Error, class: Option<Priority>) {
     match error {
-        Error::Backend(_) => {
-            tracing::warn!(%error, "request refused: the limit's backend failed (fail closed)")
+        // The limiter's outage log tells the outage at WARN, once.
+        Error::Backend(_) | Error::AccessDenied(_) => {
+            tracing::debug!(%error, "request refused: the limit's backend failed (fail closed)")
         }
         Error::BadKey(_) => tracing::debug!(%error, "request refused: bad partition key"),
         _ => {

@@ -341,6 +341,7 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// # let _ = layer;
     /// ```
     #[cfg(feature = "tonic")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
     pub fn grpc(self) -> DistributedConcurrencyLimitLayer<Http, Admission>
     where
         Flavor: Into<Http>,

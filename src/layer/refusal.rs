@@ -31,7 +31,8 @@ impl Refusal {
             Error::Full => Refusal::Full,
             Error::Timeout { .. } => Refusal::Timeout,
             Error::TooManyWaiters { .. } => Refusal::TooManyWaiters,
-            Error::Backend(_) => Refusal::Outage,
+            // Unavailable to the client either way; the operator has the ERROR and the status.
+            Error::Backend(_) | Error::AccessDenied(_) => Refusal::Outage,
             Error::RateLimited { .. } => Refusal::RateLimited,
             Error::BadKey(_) => Refusal::BadKey,
             Error::LeaseLost => Refusal::LeaseLost,

@@ -219,6 +219,7 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
     /// # let _ = layer;
     /// ```
     #[cfg(feature = "tonic")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
     pub fn grpc(self) -> DistributedRateLimitLayer<Http, Key, Cost>
     where
         Flavor: Into<Http>,

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::backend::{EXACT, Gcra, RateBackend, RateDecision, RateKey, RateStore};
-use crate::outage::OutagePolicy;
+use crate::outage::{OutageLog, OutagePolicy};
 use crate::telemetry::RateTelemetry;
 use crate::{Error, MemoryBackend};
 
@@ -57,6 +57,7 @@ struct Core {
     /// The in-process limiter that decides while the backend is down (`Local`).
     fallback: Option<RateLimiter>,
     outage_decisions: AtomicU64,
+    outage_log: OutageLog,
     telemetry: RateTelemetry,
 }
 
@@ -188,6 +189,7 @@ impl RateLimiterBuilder {
         let telemetry = RateTelemetry::new(name);
         Ok(RateLimiter {
             inner: Arc::new(Core {
+                outage_log: OutageLog::new("rate limiter", &self.name, self.outage),
                 name: self.name,
                 rate,
                 period,
@@ -310,11 +312,16 @@ impl RateLimiter {
         }
         let decision = match core.store.check(key, n).await {
             Err(error @ Error::Backend(_)) => self.on_outage(error, key, n).await,
-            other => other,
+            other => {
+                if other.is_ok() {
+                    core.outage_log.answered();
+                }
+                other
+            }
         };
         match &decision {
             Ok(decision) => core.telemetry.decided(decision, key.is_some()),
-            Err(Error::Backend(_)) => core.telemetry.backend_error(),
+            Err(Error::Backend(_) | Error::AccessDenied(_)) => core.telemetry.backend_error(),
             Err(_) => {}
         }
         decision
@@ -333,8 +340,12 @@ impl RateLimiter {
     ) -> Result<RateDecision, Error> {
         let core = &self.inner;
         core.outage_decisions.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(target: "tower_distributed_limit::outage", limiter = %core.name,
-            policy = ?core.outage, error = %error, "rate limiter's backend failed");
+        let admitted = match (&core.outage, &core.fallback) {
+            (OutagePolicy::FailOpen, _) => true,
+            (OutagePolicy::Local { .. }, Some(local)) => n <= local.burst(),
+            _ => false,
+        };
+        core.outage_log.decided(&error, admitted);
         let decision = match (&core.outage, &core.fallback) {
             (OutagePolicy::FailOpen, _) => RateDecision {
                 allowed: true,

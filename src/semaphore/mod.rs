@@ -10,6 +10,7 @@ use tracing::Instrument;
 
 use crate::backend::{Attempt, Backend, Mode, Opened, Rated};
 use crate::keeper::Keeper;
+use crate::outage::OutageLog;
 use crate::permit::{Claim, Origin, Permit};
 use crate::snapshot::Snapshot;
 use crate::telemetry::{Op, Outcome, Telemetry};
@@ -68,6 +69,7 @@ struct Core {
     /// policy); `None` when failing closed.
     fallback: Option<Semaphore>,
     outage_decisions: AtomicU64,
+    outage_log: OutageLog,
     /// The slots taken ahead of need (`SemaphoreBuilder::prefetch`), where the backend tells
     /// whether anyone waits.
     prefetch: Option<Arc<prefetch::Pool>>,
@@ -123,6 +125,7 @@ impl Semaphore {
             });
         Semaphore {
             inner: Arc::new(Core {
+                outage_log: OutageLog::new("semaphore", &settings.name, settings.outage),
                 settings,
                 origin,
                 waitlist,
@@ -306,7 +309,12 @@ impl Semaphore {
                     Ok(fallback) => fallback.wait_for(ask, started, deadline, None).await,
                     Err(e) => Err(e),
                 },
-                other => other,
+                other => {
+                    if matches!(other, Ok(_) | Err(Error::Timeout { .. })) {
+                        self.inner.outage_log.answered();
+                    }
+                    other
+                }
             };
             self.report(ask, result.as_ref().map(Some), started);
             result.map(|permit| self.homed(permit, ask, rate.is_some()))
@@ -324,7 +332,7 @@ impl Semaphore {
             Ok(None) => Outcome::Rejected,
             Err(Error::Timeout { .. }) => Outcome::Timeout,
             Err(Error::TooManyWaiters { .. }) => Outcome::TooManyWaiters,
-            Err(Error::Backend(_)) => {
+            Err(Error::Backend(_) | Error::AccessDenied(_)) => {
                 telemetry.backend_error(Op::Acquire);
                 Outcome::BackendError
             }
@@ -414,7 +422,12 @@ impl Semaphore {
                     Ok(fallback) => fallback.try_once(ask, None).await,
                     Err(e) => Err(e),
                 },
-                other => other,
+                other => {
+                    if other.is_ok() {
+                        self.inner.outage_log.answered();
+                    }
+                    other
+                }
             };
             self.report(ask, result.as_ref().map(Option::as_ref), started);
             result.map(|permit| permit.map(|permit| self.homed(permit, ask, rate.is_some())))
@@ -599,20 +612,14 @@ impl Semaphore {
         self.inner.origin.store.evict(id).await
     }
 
-    /// The backend failed: the outage policy decides. Every decision is counted and logged;
-    /// the in-process fallback semaphore admits the request, or the error stands.
+    /// The backend failed: the outage policy decides. Every decision is counted and logged
+    /// ([`OutageLog`]); the in-process fallback semaphore admits the request, or the error
+    /// stands.
     fn fallback(&self, error: Error, weight: u32) -> Result<&Semaphore, Error> {
-        let settings = &self.inner.settings;
         self.inner.outage_decisions.fetch_add(1, Ordering::Relaxed);
-        let Some(fallback) = self.inner.fallback.as_ref().filter(|f| weight <= f.limit()) else {
-            tracing::warn!(target: "tower_distributed_limit::outage", semaphore = %settings.name,
-                policy = ?settings.outage, error = %error, "backend failed: request refused");
-            return Err(error);
-        };
-        tracing::warn!(target: "tower_distributed_limit::outage", semaphore = %settings.name,
-            policy = ?settings.outage, error = %error,
-            "backend failed: request admitted by the outage policy");
-        Ok(fallback)
+        let fallback = self.inner.fallback.as_ref().filter(|f| weight <= f.limit());
+        self.inner.outage_log.decided(&error, fallback.is_some());
+        fallback.ok_or(error)
     }
 
     /// The limit in force minus the weight of live (unexpired) holders, across every process.

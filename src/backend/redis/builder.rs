@@ -623,11 +623,16 @@ impl Reconnect for Connection {
     }
 
     fn reconnected(&self) {
+        self.hub.up();
         // As after a lost connection: holders renew and waiters check their line at once.
         (self.pushes)(PushInfo {
             kind: PushKind::Disconnection,
             data: Vec::new(),
         });
         self.check_eviction();
+    }
+
+    fn went_down(&self, why: String) {
+        self.hub.down(why);
     }
 }

@@ -30,7 +30,7 @@ pub(super) fn connect_error(e: RedisError, target: &Target, label: &str) -> Erro
              sentinel URLs, that they monitor a master of that name, and that it is up"
         )
     } else if let Some(problem) = access_problem(&e) {
-        format!("cannot connect to Redis at {label}: {problem}")
+        return Error::access_denied(format!("cannot connect to Redis at {label}: {problem}"));
     } else if target.tls && text.contains("certificate") {
         format!(
             "cannot open a TLS connection to Redis at {label}: the server's certificate is not \
@@ -59,37 +59,67 @@ pub(super) fn connect_error(e: RedisError, target: &Target, label: &str) -> Erro
 }
 
 /// Credentials or permissions the server refused, in words that say what to change.
-fn access_problem(e: &RedisError) -> Option<&'static str> {
+pub(in crate::backend) fn access_problem(e: &RedisError) -> Option<String> {
     let code = e.code();
+    if let Some(refused) = server_detail(e).and_then(|detail| refused_in_script(code, &detail)) {
+        return Some(refused);
+    }
     if e.kind() == ErrorKind::AuthenticationFailed || matches!(code, Some("NOAUTH" | "WRONGPASS")) {
         Some(
             "authentication failed (no password, or a wrong one); put the credentials in the \
              URL (redis://:password@host:port, or redis://user:password@host:port with ACLs) or \
-             in the ConnectionInfo given to the builder",
+             in the ConnectionInfo given to the builder"
+                .to_owned(),
         )
     } else if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) {
         Some(
             "the Redis user lacks a permission (ACL NOPERM); allow it EVAL, EVALSHA, PUBLISH, \
              SUBSCRIBE, WAIT and PING (SPUBLISH/SSUBSCRIBE on a Cluster) on the keys and \
              channels under the key prefix, and FCALL and FUNCTION LOAD for the faster calls \
-             of Redis 7",
-        )
-    } else if e.code() == Some("ERR")
-        && server_detail(e).is_some_and(|detail| detail.starts_with(SCRIPT_REFUSED))
-    {
-        // A command the script runs inside EVAL, refused by the user's ACL: Redis names
-        // neither the command nor the key.
-        Some(
-            "the Redis user may not run a command this crate's scripts run inside EVAL, or \
-             not on one of its keys (ACL); besides EVAL and EVALSHA allow it ZADD, ZREM, \
-             ZRANGE, ZRANGEBYSCORE, ZRANGEBYLEX, ZREMRANGEBYSCORE, ZCARD, ZCOUNT, ZSCORE, ZSCAN, \
-             HGET, HMGET, HSET, HDEL, HSCAN, GET, SET, DEL, EXISTS, PEXPIREAT, PERSIST, TIME, \
-             INFO and PUBLISH (SPUBLISH on a Cluster) on the keys and channels under the key \
-             prefix",
+             of Redis 7"
+                .to_owned(),
         )
     } else {
         None
     }
+}
+
+/// A command the scripts run, refused by the user's ACL inside a script (`code` and `detail`:
+/// the server's error code and its words after it), in words that name every command to
+/// allow. Three wordings: Redis 7.0's, which names neither the command nor the key (`ERR The
+/// user executing the script can't run this command or subcommand script: ...`), later
+/// Redis's (`NOPERM User app has no permissions to run the 'zadd' command script: ...`) and
+/// Valkey's (`ERR ACL failure in script: User app has no permissions to run the 'zadd'
+/// command script: ...`).
+fn refused_in_script(code: Option<&str>, detail: &str) -> Option<String> {
+    let named = match code {
+        Some("ERR") if detail.starts_with(SCRIPT_REFUSED) => None,
+        Some("ERR") if detail.starts_with(ACL_FAILURE_IN_SCRIPT) => command_named(detail),
+        Some("NOPERM") if detail.contains(" script: ") => command_named(detail),
+        _ => return None,
+    };
+    let refused = match named {
+        Some(command) => format!(
+            "the Redis user may not run {} inside this crate's scripts (EVAL, FCALL), or not on \
+             one of its keys (ACL)",
+            command.to_uppercase()
+        ),
+        None => "the Redis user may not run a command this crate's scripts run inside EVAL, or \
+                 not on one of its keys (ACL)"
+            .to_owned(),
+    };
+    Some(format!(
+        "{refused}; besides EVAL and EVALSHA allow it ZADD, ZREM, ZRANGE, ZRANGEBYSCORE, \
+         ZRANGEBYLEX, ZREMRANGEBYSCORE, ZCARD, ZCOUNT, ZSCORE, ZSCAN, HGET, HMGET, HSET, HDEL, \
+         HSCAN, GET, SET, DEL, EXISTS, PEXPIREAT, PERSIST, TIME, INFO and PUBLISH (SPUBLISH on a \
+         Cluster) on the keys and channels under the key prefix"
+    ))
+}
+
+/// The command in "... no permissions to run the 'zadd' command ...".
+fn command_named(detail: &str) -> Option<&str> {
+    let (_, rest) = detail.split_once("permissions to run the '")?;
+    Some(rest.split_once('\'')?.0).filter(|command| !command.is_empty())
 }
 
 /// The server's words after the error code, also of a call pipelined with `WAIT` (redis-rs
@@ -101,9 +131,12 @@ pub(super) fn server_detail(e: &RedisError) -> Option<String> {
     })
 }
 
-/// How Redis begins the error of a command refused inside a script: "...can't run this
+/// How Redis 7.0 begins the error of a command refused inside a script: "...can't run this
 /// command or subcommand" or "...can't access at least one of the keys".
 const SCRIPT_REFUSED: &str = "The user executing the script can't";
+
+/// How Valkey begins it, after `ERR`.
+const ACL_FAILURE_IN_SCRIPT: &str = "ACL failure in script:";
 
 /// Says what a Redis failure of `what` on the server `label` means and what to do; the
 /// Redis error stays the [`source`](std::error::Error::source) where the message leaves its
@@ -111,10 +144,7 @@ const SCRIPT_REFUSED: &str = "The user executing the script can't";
 pub(super) fn redis_error(e: RedisError, what: &str, label: &str) -> Error {
     let message = if let Some(problem) = access_problem(&e) {
         // The server's words add nothing here, and its error's chain repeats them.
-        return Error::backend(
-            format!("Redis at {label} refused `{what}`: {problem}"),
-            None,
-        );
+        return Error::access_denied(format!("Redis at {label} refused `{what}`: {problem}"));
     } else if e.is_timeout() {
         format!(
             "Redis at {label} did not answer `{what}` within the call timeout; it may be \
@@ -141,4 +171,52 @@ pub(super) fn redis_error(e: RedisError, what: &str, label: &str) -> Error {
         );
     };
     Error::backend(message, Some(Box::new(e) as _))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `refused_in_script` of a whole error line, as the server sends it.
+    fn refused(line: &str) -> Option<String> {
+        let (code, detail) = line.split_once(' ').unwrap();
+        refused_in_script(Some(code), detail)
+    }
+
+    #[test]
+    fn a_command_refused_inside_a_script_is_read_in_every_wording() {
+        let redis_7_0 = "ERR The user executing the script can't run this command or \
+                         subcommand script: 7481e4c697ac13b3e651713dddc08c74870df83c, on \
+                         @user_script:1.";
+        let redis = "NOPERM User app has no permissions to run the 'zadd' command script: \
+                     7481e4c697ac13b3e651713dddc08c74870df83c, on @user_script:1.";
+        let valkey = "ERR ACL failure in script: User app has no permissions to run the 'zadd' \
+                      command script: 7481e4c697ac13b3e651713dddc08c74870df83c, on \
+                      @user_script:1.";
+        for line in [redis_7_0, redis, valkey] {
+            let text = refused(line).unwrap_or_else(|| panic!("not read: {line}"));
+            // Every command to allow, named.
+            for command in ["EVALSHA", "ZADD", "HSET", "PUBLISH"] {
+                assert!(text.contains(command), "{text}");
+            }
+        }
+        for line in [redis, valkey] {
+            let text = refused(line).unwrap();
+            assert!(
+                text.starts_with("the Redis user may not run ZADD inside"),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_command_refused_outside_a_script_is_not_read_as_inside_one() {
+        // EVALSHA itself refused: the NOPERM branch names the calls' own commands.
+        assert_eq!(
+            refused("NOPERM User app has no permissions to run the 'evalsha' command"),
+            None
+        );
+        assert_eq!(refused("ERR unknown command 'FCALL'"), None);
+        assert_eq!(refused("ERR Error running script: ACL failure"), None);
+    }
 }

@@ -31,12 +31,13 @@ mod sentinel;
 
 pub use self::builder::RedisBackendBuilder;
 use self::connection::{Conn, Target};
+pub(super) use self::errors::access_problem;
 use self::eviction::Eviction;
 pub(super) use self::node::{Pushes, manager_config};
 use super::health::{self, Health};
 
-use crate::Error;
 use crate::waitlist::{Hub, Waitlist};
+use crate::{BackendStatus, Error};
 
 /// The `tracing` target of the one `trace!` event emitted per command sent to Redis, for
 /// counting round trips.
@@ -119,6 +120,12 @@ struct Replicas {
 }
 
 impl RedisBackend {
+    /// Whether the server answers, is down (the outage policy decides), or refuses this
+    /// process's credentials or permissions (a configuration error): for a readiness probe.
+    pub fn status(&self) -> BackendStatus {
+        self.shared.health.status()
+    }
+
     /// Puts every key and channel of this backend's semaphores under `prefix` (default
     /// `"dlimit:"`), to keep apart applications that share a Redis.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
