@@ -157,8 +157,9 @@ pub(super) async fn invoke(
         replicas,
     };
     let result = send(&call, &mut conn, args).await;
-    if let Err(e) = &result {
-        health::failed(shared, e);
+    match &result {
+        Ok(_) => shared.health.succeeded(),
+        Err(e) => health::failed(shared, e),
     }
     result.map_err(|e| redis_error(e, op, shared.health.label()))
 }
