@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_distributed_limit::{Backend, Error, RedisBackend, Semaphore};
+use tower_distributed_limit::{AdaptiveLimit, Backend, Error, RedisBackend, Semaphore};
 
 use support::Redis;
 
@@ -17,7 +17,43 @@ on_both_backends!(
     a_snapshot_shows_the_limit_holders_and_waiters,
     lowering_the_limit_takes_nothing_from_holders,
     unsetting_a_limit_returns_to_the_one_configured,
+    available_permits_count_by_the_limit_in_force,
 );
+
+/// `available_permits` answers by the limit every process admits by, not by the one this
+/// process was built with: stored by another process, pinned by an operator, or adaptive.
+async fn available_permits_count_by_the_limit_in_force(backend: impl Backend + Clone) {
+    // Stored: the first process's limit (2) is the one in force for a twin built with 10.
+    let first = Semaphore::builder("twins")
+        .limit(2)
+        .build(backend.clone())
+        .unwrap();
+    let held = first.acquire_many(2).await.unwrap();
+    let twin = Semaphore::builder("twins")
+        .limit(10)
+        .build(backend.clone())
+        .unwrap();
+    assert_eq!(twin.available_permits().await.unwrap(), 0);
+    drop(held);
+    // Pinned: 3 in force for a semaphore built with 10.
+    let pinned = Semaphore::builder("pinned")
+        .limit(10)
+        .build(backend.clone())
+        .unwrap();
+    let _one = pinned.acquire().await.unwrap();
+    pinned.set_limit(3).await.unwrap();
+    assert_eq!(pinned.available_permits().await.unwrap(), 2);
+    // Adaptive: the limit as the first process stored it (from 4), for a twin starting at 8.
+    let adaptive = |initial| {
+        Semaphore::builder("adaptive")
+            .adaptive(AdaptiveLimit::new().initial(initial).min(1).max(50))
+            .build(backend.clone())
+            .unwrap()
+    };
+    let _two = adaptive(4).acquire_many(2).await.unwrap();
+    let adaptive = adaptive(8);
+    assert_eq!(adaptive.available_permits().await.unwrap(), 2);
+}
 
 async fn a_snapshot_shows_the_limit_holders_and_waiters(backend: impl Backend + Clone) {
     let sem = Semaphore::builder("snap")

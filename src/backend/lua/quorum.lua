@@ -36,7 +36,11 @@
 local owned, owner, counter, born_key, limit_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local opened = KEYS[6]
 local op, channel = ARGV[1], ARGV[2]
-local limit = tonumber(redis.call('GET', limit_key)) or tonumber(ARGV[3])
+-- (A pinned limit of another form than this crate writes is not read: no stored value may
+-- lift the loops below.)
+local pinned = redis.call('GET', limit_key)
+local limit = pinned and string.find(pinned, '^%d+$') and #pinned <= 10 and tonumber(pinned)
+  or tonumber(ARGV[3])
 
 local time = redis.call('TIME')
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
@@ -47,7 +51,9 @@ local function int(n)
 end
 
 -- Expired slots are free again.
-for _, slot in ipairs(redis.call('ZRANGEBYSCORE', owned, '-inf', now)) do
+-- Expired slots out, at most 256 a call (a later call takes the rest; until then they count as
+-- held, never as free).
+for _, slot in ipairs(redis.call('ZRANGEBYSCORE', owned, '-inf', now, 'LIMIT', 0, 256)) do
   redis.call('ZREM', owned, slot)
   redis.call('HDEL', owner, slot)
 end
@@ -76,14 +82,20 @@ if op == 'free' then
   if first then
     reply[1] = math.max(tonumber(first) - now, 1)
   end
+  -- The lowest free slots, at most 1 024 of them: a bounded answer whatever the limit or what
+  -- `owned` holds (a weight is far below it; every node answers its lowest, so a majority's
+  -- agree).
   local held = {}
-  for _, slot in ipairs(redis.call('ZRANGE', owned, 0, -1)) do
+  for _, slot in ipairs(redis.call('ZRANGE', owned, 0, 4095)) do
     held[slot] = true
   end
-  for slot = 0, limit - 1 do
+  local slot = 0
+  -- (At most 4 096 held slots and 1 025 free ones are passed: a bounded loop.)
+  while slot < limit and #reply <= 1024 do
     if not held[tostring(slot)] then
       table.insert(reply, slot)
     end
+    slot = slot + 1
   end
   return reply
 elseif op == 'take' or op == 'take_cold' then
@@ -157,7 +169,7 @@ elseif op == 'unset_limit' then
   return 1
 elseif op == 'evict' then
   local evicted = 0
-  for _, slot in ipairs(redis.call('ZRANGE', owned, 0, -1)) do
+  for _, slot in ipairs(redis.call('ZRANGE', owned, 0, 4095)) do
     local member = redis.call('HGET', owner, slot)
     if member and string.sub(member, 1, #ARGV[4] + 1) == ARGV[4] .. ':' then
       redis.call('ZREM', owned, slot)
@@ -171,7 +183,7 @@ elseif op == 'evict' then
   return evicted
 elseif op == 'snapshot' then
   local reply = {limit, redis.call('EXISTS', limit_key)}
-  local entries = redis.call('ZRANGE', owned, 0, -1, 'WITHSCORES')
+  local entries = redis.call('ZRANGE', owned, 0, 999, 'WITHSCORES')
   for i = 1, #entries, 2 do
     table.insert(reply, tonumber(entries[i]))
     table.insert(reply, redis.call('HGET', owner, entries[i]) or '')
