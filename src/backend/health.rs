@@ -101,9 +101,6 @@ pub(in crate::backend) trait Reconnect: Send + Sync + 'static {
 /// Up or down, and who probes.
 pub(in crate::backend) struct Health {
     down: AtomicBool,
-    /// A refusal of the credentials or permissions is remembered (`State::denied`): a call
-    /// that succeeds looks here, not at the lock, to clear it.
-    denying: AtomicBool,
     /// What the server is, for messages and metrics (its address).
     label: String,
     /// The longest one probe attempt may take.
@@ -153,7 +150,6 @@ impl Health {
         };
         Health {
             down: AtomicBool::new(true),
-            denying: AtomicBool::new(false),
             label,
             bound,
             state: Mutex::new(State {
@@ -216,19 +212,10 @@ impl Health {
             self.metrics.denied.increment(1.0);
         }
         state.denied = Some((reason, Instant::now()));
-        self.denying.store(true, Ordering::Relaxed);
-    }
-
-    /// A call went through: a refusal of permissions seen before is over (the ACL changed).
-    pub(in crate::backend) fn succeeded(&self) {
-        if self.denying.load(Ordering::Relaxed) {
-            self.accepted(&mut lock(&self.state));
-        }
     }
 
     /// Forgets a refusal: the server accepted the credentials (a probe reached it), or is down.
     fn accepted(&self, state: &mut State) {
-        self.denying.store(false, Ordering::Relaxed);
         if state.denied.take().is_some() {
             tracing::info!(target: TARGET, backend = %self.label, "Redis no longer refuses this process's credentials");
             #[cfg(feature = "metrics")]

@@ -157,9 +157,8 @@ pub(super) async fn invoke(
         replicas,
     };
     let result = send(&call, &mut conn, args).await;
-    match &result {
-        Ok(_) => shared.health.succeeded(),
-        Err(e) => health::failed(shared, e),
+    if let Err(e) = &result {
+        health::failed(shared, e);
     }
     result.map_err(|e| redis_error(e, op, shared.health.label()))
 }
