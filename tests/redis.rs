@@ -419,8 +419,9 @@ async fn concurrent_acquires_share_one_call() {
     tokens.sort_unstable();
     tokens.dedup();
     assert_eq!(tokens.len(), 64, "every acquire has its own token");
+    // The first alone, the 63 queued behind it in calls of at most 16 (docs/protocol.md).
     assert!(
-        calls <= 3,
+        calls <= 5,
         "64 concurrent acquires took {calls} script calls"
     );
     assert_eq!(sem.available_permits().await.unwrap(), 1000 - 64);

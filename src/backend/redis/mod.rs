@@ -1,9 +1,11 @@
 //! Permits and rate limits in Redis, shared by every process and machine that uses the same
 //! server: [`RedisBackend`] and what its clones share, one concern per file beside it.
 //!
-//! Five keys per semaphore (holders, meta, the waiting line, its liveness deadlines, grant
-//! times), all under the `{name}` hash tag (`keys.rs`); every operation is one call of
-//! `lua/semaphore/` (see `semaphore.rs`), invoked by SHA (sent whole on NOSCRIPT) through
+//! Eight keys per semaphore (holders, meta, the waiting line, its liveness deadlines, grant
+//! times, the processes' names, the tenants' index, the processes' protocol versions), all
+//! under the `{name}` hash tag (`keys.rs`), laid out as docs/protocol.md states (its numbers in
+//! `protocol.rs`); every operation is one bounded call of `lua/semaphore/` (see
+//! `semaphore.rs`), a function on Redis 7 or a script by SHA (sent whole on NOSCRIPT), through
 //! `script.rs`. Grants to queued waiters are published on the semaphore's channel; a
 //! process's waiters share the backend's one multiplexed RESP3 connection, subscribed to a
 //! channel only while someone waits on it (`announce.rs`). `builder.rs` makes the backend and

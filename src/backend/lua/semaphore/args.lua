@@ -136,7 +136,7 @@ local function learn(member)
   weight, lease = string.match(member, '^:(%d+):(%d+)$', at)
   -- (Digits, or nil: arithmetic reads them with one parse where `tonumber` takes two.)
   weight, lease = weight and weight + 0 or 0, lease and lease + 0 or 0
-  if weight > 2 ^ 31 or lease > 2 ^ 40 then
+  if weight > 2 ^ 32 - 1 or lease > 2 ^ 32 - 1 then
     -- Beyond any this crate sends: malformed.
     weight, lease = 0, 0
   end
@@ -295,7 +295,7 @@ local function step_meta()
   seen = seen ~= -1 and seen or nil
   alive_at = alive_at ~= -1 and alive_at or nil
   silent_at = silent_at ~= -1 and silent_at or nil
-  stored_limit, stored_pinned = whole(stored[2], 2 ^ 31), stored[3]
+  stored_limit, stored_pinned = whole(stored[2], 2 ^ 32 - 1), stored[3]
   changed = false
   stored_shares = stored[7] or nil
   shares = nil
@@ -303,7 +303,7 @@ local function step_meta()
   -- (A missing field reads as false.)
   adaptive = stored[5] or nil
   local configured = limit
-  unpinned = whole(stored[6], 2 ^ 31)
+  unpinned = whole(stored[6], 2 ^ 32 - 1)
   stored_unpinned = unpinned
   if stored_limit then
     limit = stored_limit
