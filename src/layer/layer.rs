@@ -148,6 +148,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Plain, Admission> {
                 reserve: None,
                 spares: Spares::default(),
                 rate: None,
+                rate_exempt: None,
                 overloaded: ANY_ERROR,
             },
             flavour: Plain,
@@ -240,6 +241,10 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// [`DistributedRateLimitLayer`](crate::DistributedRateLimitLayer) in front works too, but
     /// spends rate on requests the concurrency limit then refuses.
     ///
+    /// Every class spends the same rate ([`priority_by`](Self::priority_by) orders the
+    /// semaphore's line, not the rate); [`rate_limit_exempt`](Self::rate_limit_exempt) lets
+    /// the high classes skip it.
+    ///
     /// ```
     /// use std::time::Duration;
     /// use tower::{ServiceBuilder, ServiceExt, service_fn};
@@ -264,6 +269,46 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// ```
     pub fn rate_limit(mut self, rate: crate::RateLimiter) -> Self {
         self.limiter.rate = Some(rate);
+        self
+    }
+
+    /// Requests of class `class` or higher (as [`priority_by`](Self::priority_by) sets it)
+    /// skip the [`rate_limit`](Self::rate_limit): they take their permit, served first in
+    /// line, and spend no rate, so a batch flood that empties the rate refuses batch requests
+    /// only. Without it, classes order the semaphore's line but not the rate: every class
+    /// spends the same rate, and a critical request arriving once the flood spent it gets 429.
+    /// Under [`acquire_in_poll_ready`](Self::acquire_in_poll_ready) every request is of
+    /// [`Priority::NORMAL`].
+    ///
+    /// An exempt request still counts nowhere against the rate, so the rate caps the other
+    /// classes only; bound the exempt ones with the semaphore's shares
+    /// ([`SemaphoreBuilder::class`](crate::SemaphoreBuilder::class)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, Error, MemoryBackend, Priority, RateLimiter, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower::BoxError> {
+    /// let backend = MemoryBackend::new();
+    /// let sem = Semaphore::builder("search").limit(10).build(backend.clone())?;
+    /// let rate = RateLimiter::builder("search").rate(1, Duration::from_secs(60)).build(backend)?;
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(DistributedConcurrencyLimitLayer::new(sem)
+    ///         .priority_by(|path: &&str| {
+    ///             if path.starts_with("/batch") { Priority::BATCH } else { Priority::CRITICAL }
+    ///         })
+    ///         .rate_limit(rate)
+    ///         .rate_limit_exempt(Priority::CRITICAL))
+    ///     .service(service_fn(|path: &'static str| async move { Ok::<_, tower::BoxError>(path) }));
+    /// assert_eq!(svc.clone().oneshot("/batch/1").await?, "/batch/1"); // spends the rate
+    /// let err = svc.clone().oneshot("/batch/2").await.unwrap_err();
+    /// assert!(matches!(err.downcast_ref::<Error>(), Some(Error::RateLimited { .. })));
+    /// assert_eq!(svc.oneshot("/chat").await?, "/chat"); // exempt
+    /// # Ok(()) }
+    /// ```
+    pub fn rate_limit_exempt(mut self, class: Priority) -> Self {
+        self.limiter.rate_exempt = Some(class);
         self
     }
 
@@ -393,7 +438,9 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
     /// A request is of the class `priority(&request)`: the line serves a higher class first,
     /// inside the share the semaphore gives it
     /// ([`SemaphoreBuilder::class`](crate::SemaphoreBuilder::class)). Composes with
-    /// [`weight_by`](Self::weight_by), partitions and [`rate_limit`](Self::rate_limit).
+    /// [`weight_by`](Self::weight_by), partitions and [`rate_limit`](Self::rate_limit). The
+    /// class orders the line only: every class spends the same rate unless
+    /// [`rate_limit_exempt`](Self::rate_limit_exempt) exempts it.
     ///
     /// Not available with [`acquire_in_poll_ready`](Self::acquire_in_poll_ready): `poll_ready`
     /// does not see the request.

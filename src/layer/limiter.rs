@@ -27,6 +27,8 @@ pub(crate) struct Limiter<A> {
     pub(crate) spares: Spares,
     /// A rate limit decided with each permit, all or nothing (`rate_limit`).
     pub(crate) rate: Option<RateLimiter>,
+    /// Requests of this class or higher skip `rate` (`rate_limit_exempt`).
+    pub(crate) rate_exempt: Option<Priority>,
     /// The generic flavour's congestion signals: which inner errors mark a permit overloaded.
     pub(crate) overloaded: Overloaded,
 }
@@ -130,18 +132,29 @@ impl<A> Limiter<A> {
             reserve: self.reserve,
             spares: self.spares,
             rate: self.rate,
+            rate_exempt: self.rate_exempt,
             overloaded: self.overloaded,
+        }
+    }
+
+    /// The rate limit a request of `class` spends: none for a class at or above the
+    /// exemption, so a batch flood that empties the rate cannot refuse it.
+    pub(crate) fn rate_for(&self, class: Priority) -> Option<RateLimiter> {
+        match self.rate_exempt {
+            Some(floor) if class >= floor => None,
+            _ => self.rate.clone(),
         }
     }
 
     /// The permit for `request`: the reservation made in `poll_ready`, or the future that
     /// takes what the admission asks for. The limit is the admitted semaphore's, for the
-    /// refusal's `RateLimit-Policy`, with the class asked for, for its `x-dlimit-class`.
+    /// refusal's `RateLimit-Policy`, with the class asked for, for its `x-dlimit-class`; the
+    /// rate limiter is the one the request spends (none when its class is exempt).
     pub(crate) fn admit<R>(
         &self,
         request: &R,
         reserved: Option<Result<Held, Error>>,
-    ) -> (Acquire, Option<(u32, Priority)>)
+    ) -> (Acquire, Option<(u32, Priority)>, Option<RateLimiter>)
     where
         A: Admit<R>,
     {
@@ -153,16 +166,17 @@ impl<A> Limiter<A> {
                 ))
             });
             let asked = (semaphore.limit(), Priority::NORMAL);
-            return (Acquire::Now(Some(reserved)), Some(asked));
+            let rate = self.rate_for(Priority::NORMAL);
+            return (Acquire::Now(Some(reserved)), Some(asked), rate);
         }
         match self.admit.admit(request) {
             Ok((semaphore, ask)) => {
                 let asked = (semaphore.limit(), ask.class());
-                let rate = self.rate.clone();
-                let acquire = Acquire::start(semaphore, ask, self.wait, rate);
-                (acquire, Some(asked))
+                let rate = self.rate_for(ask.class());
+                let acquire = Acquire::start(semaphore, ask, self.wait, rate.clone());
+                (acquire, Some(asked), rate)
             }
-            Err(e) => (Acquire::Now(Some(Err(e))), None),
+            Err(e) => (Acquire::Now(Some(Err(e))), None, None),
         }
     }
 }

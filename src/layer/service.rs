@@ -13,7 +13,7 @@ use super::gate::AcquirePermit;
 use super::limiter::Limiter;
 use super::reserve::Reservation;
 use super::spares::Spares;
-use crate::Semaphore;
+use crate::{Priority, Semaphore};
 
 /// A service whose requests each hold permits of a distributed semaphore while the inner
 /// service handles them; made by [`DistributedConcurrencyLimitLayer`](super::DistributedConcurrencyLimitLayer).
@@ -88,7 +88,7 @@ impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
     pub(crate) fn new(inner: S, limiter: Limiter<Admission>, flavour: Flavor) -> Self {
         // No spares with a rate limit: a spare would spend rate for a request that may never
         // come.
-        let spares = match &limiter.rate {
+        let spares = match limiter.rate_for(Priority::NORMAL) {
             None => limiter.spares.clone(),
             Some(_) => Spares::default(),
         };
@@ -126,7 +126,7 @@ impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
             ready!(self.reservation.poll_reserve(
                 semaphore,
                 self.limiter.wait,
-                self.limiter.rate.as_ref(),
+                self.limiter.rate_for(Priority::NORMAL).as_ref(),
                 cx
             ));
         }
@@ -140,8 +140,8 @@ impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
         S: Service<R> + Clone,
         Admission: Admit<R>,
     {
-        let (acquire, limit) = self.limiter.admit(&request, self.reservation.take());
-        let admitted = AcquirePermit::new(acquire, limit, self.limiter.rate.clone());
+        let (acquire, limit, rate) = self.limiter.admit(&request, self.reservation.take());
+        let admitted = AcquirePermit::new(acquire, limit, rate);
         let fresh = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, fresh);
         Limited::new(admitted, ready, request, self.limiter.abort_on_lost, stamp)

@@ -34,6 +34,10 @@ use crate::layer::{HeaderKey, Http, Plain, Unkeyed, Unweighted};
 /// all or nothing, and one script call for both on one Redis. Stacked in front of the
 /// concurrency layer, this layer spends the rate of requests the concurrency limit then refuses.
 ///
+/// It knows no request classes: every request it sees spends the rate, a critical one as a
+/// batch one. To let a class skip the rate, use the concurrency layer's `rate_limit` with
+/// [`rate_limit_exempt`](crate::DistributedConcurrencyLimitLayer::rate_limit_exempt).
+///
 /// # Example
 ///
 /// ```

@@ -2,6 +2,9 @@
 //! limits on one Redis, all or nothing, a grant from the line spending its rate then, a limiter
 //! on another backend with its HTTP answer, each limit's outage policy, and a storm.
 
+use futures_util::FutureExt;
+use tower_distributed_limit::Priority;
+
 use super::*;
 
 /// A service whose calls wait at `gate` until let through, telling `entered` when they start.
@@ -373,4 +376,77 @@ async fn a_storm_through_the_combined_check_spends_exactly_what_it_admits() {
         );
     }
     support::wait_until_available(&sem, 5).await;
+}
+
+/// A flood of batch requests through `rate_limit` on one Redis, with critical requests among
+/// them: what each class was admitted, and the refusals of each.
+async fn flood(exempt: bool) -> ((u32, u32), (u32, u32)) {
+    let redis = Redis::start().await;
+    let backend = redis.backend().await;
+    // Room for everyone at once: only the rate refuses.
+    let sem = Semaphore::builder("flood")
+        .limit(1000)
+        .build(backend.clone())
+        .unwrap();
+    let rate = limiter("flood", 5, Duration::from_secs(3600), 5, backend);
+    let layer = DistributedConcurrencyLimitLayer::new(sem)
+        .priority_by(|class: &Priority| *class)
+        .rate_limit(rate.clone())
+        .reject_when_full();
+    let layer = if exempt {
+        layer.rate_limit_exempt(Priority::CRITICAL)
+    } else {
+        layer
+    };
+    let svc = tower::ServiceBuilder::new()
+        .layer(layer)
+        .service(service_fn(|class: Priority| async move {
+            Ok::<_, tower::BoxError>(class)
+        }));
+    // One critical request in every five, all sent at once.
+    let classes = (0..200).map(|i| {
+        if i % 5 == 0 {
+            Priority::CRITICAL
+        } else {
+            Priority::BATCH
+        }
+    });
+    let results = futures_util::future::join_all(
+        classes.map(|class| svc.clone().oneshot(class).map(move |r| (class, r))),
+    )
+    .await;
+    let (mut critical, mut batch) = ((0, 0), (0, 0));
+    for (class, result) in results {
+        let tally = if class == Priority::CRITICAL {
+            &mut critical
+        } else {
+            &mut batch
+        };
+        match result.map_err(|e| e.downcast::<Error>().map(|e| *e)) {
+            Ok(_) => tally.0 += 1,
+            Err(Ok(Error::RateLimited { .. })) => tally.1 += 1,
+            Err(other) => panic!("unexpected refusal: {other:?}"),
+        }
+    }
+    // Exempt requests spent nothing: the admitted batch requests spent the whole burst.
+    assert!(!rate.check_n(1).await.unwrap().allowed);
+    (critical, batch)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exempt_critical_requests_are_never_refused_by_a_rate_a_batch_flood_spent() {
+    let (critical, batch) = flood(true).await;
+    assert_eq!(critical, (40, 0), "critical (admitted, refused)");
+    assert_eq!(batch, (5, 155), "batch (admitted, refused)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_exemption_every_class_spends_the_same_rate() {
+    let (critical, batch) = flood(false).await;
+    assert_eq!(critical.0 + batch.0, 5, "{critical:?} {batch:?}");
+    assert!(
+        critical.1 >= 35,
+        "critical (admitted, refused): {critical:?}"
+    );
+    assert_eq!(critical.1 + batch.1, 195);
 }
