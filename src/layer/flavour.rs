@@ -51,3 +51,33 @@ impl From<Plain> for Http {
         Http::default()
     }
 }
+
+/// The requests a flavour's services take: any type for [`Plain`], an
+/// [`http::Request`] for [`Http`]. A bound of the builder methods that take a closure over the
+/// request (`weight_by`, `priority_by`, `tenant_by`, the rate layer's `key_by`), so that on an
+/// HTTP layer the closure's argument needs no type: `.http().priority_by(|req| ..)` reads it as
+/// `&http::Request<_>`. Sealed: implemented by this crate's flavours only.
+///
+/// ```
+/// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Priority, Semaphore};
+///
+/// let sem = Semaphore::builder("pages").limit(8).build(MemoryBackend::new()).unwrap();
+/// let app: axum::Router = axum::Router::new()
+///     .route("/", axum::routing::get(|| async { "hello" }))
+///     .layer(DistributedConcurrencyLimitLayer::new(sem).http().priority_by(|req| {
+///         if req.uri().path().starts_with("/batch") { Priority::BATCH } else { Priority::NORMAL }
+///     }));
+/// # let _ = app;
+/// ```
+pub trait Accepts<R>: sealed::Sealed {}
+
+impl<R> Accepts<R> for Plain {}
+
+impl<B> Accepts<http::Request<B>> for Http {}
+
+mod sealed {
+    /// Only this crate's flavours are [`Accepts`](super::Accepts).
+    pub trait Sealed {}
+    impl Sealed for super::Plain {}
+    impl Sealed for super::Http {}
+}

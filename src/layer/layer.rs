@@ -8,7 +8,7 @@ use http::StatusCode;
 use tower::{BoxError, Layer};
 
 use super::admit::{InPollReady, Prioritized, Tenanted, Weighable, Weighted};
-use super::flavour::{Http, Plain};
+use super::flavour::{Accepts, Http, Plain};
 use super::key::HeaderKey;
 use super::limiter::{ANY_ERROR, Limiter};
 use super::partitions::Partitions;
@@ -425,6 +425,7 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
         weight: G,
     ) -> DistributedConcurrencyLimitLayer<Flavor, Weighted<Admission, G>>
     where
+        Flavor: Accepts<R>,
         G: Fn(&R) -> u32,
     {
         DistributedConcurrencyLimitLayer {
@@ -467,6 +468,7 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
         priority: P,
     ) -> DistributedConcurrencyLimitLayer<Flavor, Prioritized<Admission, P>>
     where
+        Flavor: Accepts<R>,
         P: Fn(&R) -> Priority,
     {
         DistributedConcurrencyLimitLayer {
@@ -504,6 +506,7 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
         tenant: K,
     ) -> DistributedConcurrencyLimitLayer<Flavor, Tenanted<Admission, K>>
     where
+        Flavor: Accepts<R>,
         K: Fn(&R) -> Option<String>,
     {
         DistributedConcurrencyLimitLayer {

@@ -99,7 +99,7 @@ mod token;
 pub use self::admit::{
     Admit, InPollReady, Prioritized, Tenanted, Unweighted, Weigh, Weighable, Weighted,
 };
-pub use self::flavour::{Http, Plain};
+pub use self::flavour::{Accepts, Http, Plain};
 pub use self::headers::{CLASS_HEADER, RATELIMIT, RATELIMIT_POLICY, REFUSAL_HEADER};
 pub use self::key::{HeaderKey, PartitionKey, Unkeyed};
 pub use self::layer::{DistributedConcurrencyLimitLayer, HttpConcurrencyLimitLayer};

@@ -11,7 +11,7 @@ use tower::Layer;
 use super::limiter::RateLimiter;
 use super::service::{DistributedRateLimit, Shared};
 use crate::layer::refusal::Refusal;
-use crate::layer::{HeaderKey, Http, Plain, Unkeyed, Unweighted};
+use crate::layer::{Accepts, HeaderKey, Http, Plain, Unkeyed, Unweighted};
 
 /// Caps how many requests *start* per period across every process that shares the
 /// [`RateLimiter`]: each request is one GCRA check (one script call) before the inner service
@@ -110,6 +110,7 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
     /// ```
     pub fn weight_by<R, G>(self, cost: G) -> DistributedRateLimitLayer<Flavor, Key, G>
     where
+        Flavor: Accepts<R>,
         G: Fn(&R) -> u32,
     {
         self.map(|s| Shared {
@@ -135,6 +136,7 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
     /// ```
     pub fn key_by<R, K2>(self, key: K2) -> DistributedRateLimitLayer<Flavor, K2, Cost>
     where
+        Flavor: Accepts<R>,
         K2: Fn(&R) -> Option<String>,
     {
         self.map(|s| Shared {

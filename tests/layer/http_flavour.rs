@@ -469,3 +469,52 @@ async fn axum_handlers_take_the_fencing_token_as_an_extractor() {
     let response = get_from(&client, bare, "/", None).await;
     assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
 }
+
+/// On an HTTP layer the request closures need no type: `.http()` makes them read
+/// `&http::Request<_>`, and axum's router fixes the body (no E0282 as before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_closures_on_an_http_layer_need_no_type() {
+    let redis = Redis::start().await;
+    let backend = redis.backend().await;
+    let sem = semaphore("untyped", 3, backend.clone());
+    let limit = DistributedConcurrencyLimitLayer::new(sem)
+        .http()
+        .weight_by(|req| if req.uri().path() == "/heavy" { 9 } else { 1 })
+        .priority_by(|req| match req.headers().contains_key("x-batch") {
+            true => tower_distributed_limit::Priority::BATCH,
+            false => tower_distributed_limit::Priority::CRITICAL,
+        })
+        .tenant_by(|req| {
+            let key = req.headers().get("x-api-key")?;
+            key.to_str().ok().map(str::to_owned)
+        });
+    let rate = tower_distributed_limit::RateLimiter::builder("untyped")
+        .rate(1, Duration::from_secs(3600))
+        .burst(1)
+        .build(backend)
+        .unwrap();
+    let per_key = tower_distributed_limit::DistributedRateLimitLayer::new(rate)
+        .http()
+        .key_by(|req| {
+            let key = req.headers().get("x-api-key")?;
+            key.to_str().ok().map(str::to_owned)
+        });
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/heavy", get(|| async { "ok" }))
+        .layer(limit)
+        .layer(per_key);
+    let (client, addr) = (client(), serve(app).await);
+
+    let ok = get_from(&client, addr, "/", Some("a")).await;
+    assert_eq!(ok.status(), StatusCode::OK);
+    // The weight closure ran: 9 permits of 3 is a bad weight, answered 500.
+    let heavy = get_from(&client, addr, "/heavy", Some("b")).await;
+    assert_eq!(heavy.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(heavy.headers()["x-dlimit-refusal"], "config");
+    // The key closure ran: key a spent its rate, key c has its own.
+    let again = get_from(&client, addr, "/", Some("a")).await;
+    assert_eq!(again.status(), StatusCode::TOO_MANY_REQUESTS);
+    let other = get_from(&client, addr, "/", Some("c")).await;
+    assert_eq!(other.status(), StatusCode::OK);
+}
