@@ -9,7 +9,9 @@ use std::time::Duration;
 use futures_util::{StreamExt, TryStreamExt, stream};
 use redis::Value;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use tower_distributed_limit::{PROTOCOL_VERSION, RedisBackend, Semaphore, Snapshot};
+use tower_distributed_limit::{
+    PROTOCOL_VERSION, RedisBackend, RedisBackendBuilder, Semaphore, Snapshot,
+};
 
 use crate::Failure;
 
@@ -60,7 +62,7 @@ impl Fleet {
     pub async fn connect(url: &str, prefix: &str, lazy: bool) -> Result<Fleet, Failure> {
         let urls: Vec<&str> = url.split(',').map(str::trim).collect();
         let builder = if urls.len() > 1 {
-            RedisBackend::cluster_builder(&urls)
+            cluster(&urls)?
         } else {
             RedisBackend::builder(url)
         }
@@ -230,6 +232,23 @@ impl Fleet {
         }
         Ok(message)
     }
+}
+
+/// The backend's settings for the Cluster at `urls`.
+#[cfg(feature = "cluster")]
+fn cluster(urls: &[&str]) -> Result<RedisBackendBuilder, Failure> {
+    Ok(RedisBackend::cluster_builder(urls))
+}
+
+/// A build without the `cluster` feature cannot talk to a Cluster: say so rather than try
+/// the first node alone.
+#[cfg(not(feature = "cluster"))]
+fn cluster(_: &[&str]) -> Result<RedisBackendBuilder, Failure> {
+    Err(Failure::Refused(
+        "--url lists several nodes (a Redis Cluster), but this dlimit was built without the \
+         `cluster` feature"
+            .into(),
+    ))
 }
 
 impl Node {
