@@ -440,6 +440,7 @@ async fn requests_never_wait_behind_a_connect_attempt_and_one_attempt_runs_at_a_
     assert!((1..=12).contains(&attempts), "{attempts} connect attempts");
 }
 
+#[cfg(feature = "tls")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_to_a_plain_port_fails_within_the_connect_timeout() {
     let redis = Redis::start().await;

@@ -10,7 +10,10 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
-use tower_distributed_limit::{RateLimiter, Semaphore};
+use tokio::task::JoinHandle;
+use tower_distributed_limit::{
+    Ask, Error, Permit, Priority, RateLimiter, RedisBackend, Semaphore, Share,
+};
 
 use support::Redis;
 
@@ -244,9 +247,128 @@ async fn without_redis_it_serves_and_says_why_every_answer_is_503() {
     assert!(page.contains("Redis unreachable"), "{page}");
 }
 
+/// `exports` for the claim window: two slots, one reserved for critical requests, and a
+/// grant from the line provisional for 60 s (at most half its 120 s lease), so a page read
+/// long after the grant (the screenshot's included) still finds it unclaimed.
+fn exports(backend: RedisBackend) -> Semaphore {
+    Semaphore::builder("exports")
+        .limit(2)
+        .class(Priority::CRITICAL, Share::reserved(1))
+        .lease(Duration::from_secs(120))
+        .claim_window(Duration::from_secs(60))
+        .acquire_timeout(Duration::from_secs(120))
+        .build(backend)
+        .unwrap()
+}
+
+/// What [`a_frozen_claim_and_waiting_tenants`] leaves running: the frozen child (thawed and
+/// killed when dropped) and the tenants' waiting acquires.
+struct Claim {
+    child: Child,
+    _waiters: Vec<JoinHandle<Result<Permit, Error>>>,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            support::signal(pid, "CONT");
+        }
+    }
+}
+
+/// On `exports`: a child process waits in line, is frozen, and is granted the slot this test
+/// held, which stays in its claim window; then two requests of tenant `acme` wait behind it.
+async fn a_frozen_claim_and_waiting_tenants(redis: &Redis) -> Claim {
+    let sem = exports(redis.backend().await);
+    let mut held = sem.acquire().await.unwrap();
+    let child = support::spawn_child(redis, "claim-waiter");
+    support::eventually(
+        Duration::from_secs(20),
+        "the child to wait in line",
+        || async { redis.queue_len("exports").await == 1 },
+    )
+    .await;
+    support::signal(child.id().unwrap(), "STOP");
+    held.release().await.unwrap();
+    let claimed = || async {
+        let snap = sem.snapshot().await.unwrap();
+        snap.holders
+            .iter()
+            .any(|holder| holder.process == "claim-waiter")
+    };
+    support::eventually(Duration::from_secs(10), "the frozen child's grant", claimed).await;
+    let waiters = (0..2)
+        .map(|_| {
+            let sem = sem.clone();
+            tokio::spawn(async move { sem.acquire_with(Ask::new().tenant("acme")).await })
+        })
+        .collect();
+    support::eventually(
+        Duration::from_secs(10),
+        "the tenant's requests to wait",
+        || async { sem.snapshot().await.unwrap().tenants_waiting.len() == 1 },
+    )
+    .await;
+    Claim {
+        child,
+        _waiters: waiters,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_shows_classes_tenants_a_claim_window_and_a_rate_limiter_between_its_keys() {
+    let redis = Redis::start().await;
+    let _claim = a_frozen_claim_and_waiting_tenants(&redis).await;
+    // One request at one per 2 s: its key lives 2 s, then the limiter is full and keyless.
+    let bursty = RateLimiter::builder("bursty")
+        .rate(1, Duration::from_secs(2))
+        .build(redis.backend().await)
+        .unwrap();
+    assert!(bursty.check().await.unwrap().allowed);
+    let server = Server::start(&redis).await;
+    let (status, live) = server.get("/live").await;
+    assert_eq!(status, 200, "{live}");
+    assert!(live.contains("data-rate-limiter=\"bursty\""), "{live}");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+
+    let Some(dom) = server.dom().await else {
+        return;
+    };
+    let acme = format!("{:016x}", Ask::new().tenant("acme").tenant_id().unwrap());
+    for class in ["critical", "normal"] {
+        assert!(
+            dom.contains(&format!("data-class=\"{class}\"")),
+            "the class breakdown: {dom}"
+        );
+    }
+    assert!(
+        dom.contains(&format!("data-tenant=\"{acme}\"")),
+        "the waiting tenant, by its Ask::tenant_id: {dom}"
+    );
+    assert!(dom.contains("Ask::new().tenant(key).tenant_id()"), "{dom}");
+    assert!(
+        dom.contains("class=\"badge claim\""),
+        "the frozen child's grant is marked as in its claim window: {dom}"
+    );
+    assert!(
+        dom.contains("<th title=\"the slot sits in its process"),
+        "{dom}"
+    );
+    assert!(
+        dom.contains("data-rate-limiter=\"bursty\""),
+        "a limiter seen lately stays listed once its key expired: {dom}"
+    );
+    assert!(dom.contains(" ago</td>"), "{dom}");
+    assert!(
+        dom.contains("d=\"M0.0 "),
+        "the sparklines start at the left edge, seeded with the value at first sight: {dom}"
+    );
+}
+
 /// Makes `docs/page.png`, the README's picture of the page: three processes (children of this
-/// test) keep a few semaphores busy, one pinned, one full with a line, and two rate limiters
-/// have spent. Run with
+/// test) keep a few semaphores busy, one pinned, one full with a line; `exports` has classes,
+/// a frozen process's grant in its claim window and a tenant waiting; two rate limiters have
+/// spent and a fourth process keeps a third busy under its rate. Run with
 /// `cargo test --all-features --test page -- --ignored --exact a_screenshot_for_the_docs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "writes docs/page.png"]
@@ -262,6 +384,10 @@ async fn a_screenshot_for_the_docs() {
         assert_eq!(support::child_says(&mut child).await, "holding");
         children.push(child);
     }
+    let mut rate_client = support::spawn_child(&redis, "rate-client");
+    assert_eq!(support::child_says(&mut rate_client).await, "holding");
+    children.push(rate_client);
+    let _claim = a_frozen_claim_and_waiting_tenants(&redis).await;
     let backend = redis.backend().await;
     let db = Semaphore::builder("orders-db")
         .limit(30)
@@ -288,7 +414,7 @@ async fn a_screenshot_for_the_docs() {
             "--disable-gpu",
             "--no-first-run",
             "--hide-scrollbars",
-            "--window-size=1100,700",
+            "--window-size=1100,1340",
             "--virtual-time-budget=90000",
         ])
         .arg(format!("--user-data-dir={}", profile.display()))
@@ -313,11 +439,33 @@ async fn child_process() {
     let Some((role, url)) = support::child_role() else {
         return;
     };
-    let backend = tower_distributed_limit::RedisBackend::builder(url.as_str())
+    let backend = RedisBackend::builder(url.as_str())
         .process_name(role.as_str())
         .connect()
         .await
         .unwrap();
+    match role.as_str() {
+        // Waits in `exports`' line until frozen and thawed (see `a_frozen_claim_and_waiting_tenants`).
+        "claim-waiter" => {
+            let _permit = exports(backend).acquire().await;
+            return std::future::pending().await;
+        }
+        // About 35 requests a second against a limit of 50: under its rate, so its key lives
+        // only about 20 ms after each request.
+        "rate-client" => {
+            let api = RateLimiter::builder("partner-api-calls")
+                .rate(50, Duration::from_secs(1))
+                .burst(10)
+                .build(backend)
+                .unwrap();
+            println!("DLIMIT holding");
+            loop {
+                let _ = api.check().await;
+                tokio::time::sleep(Duration::from_millis(28)).await;
+            }
+        }
+        _ => {}
+    }
     let semaphore = |name: &str, limit| {
         Semaphore::builder(name)
             .limit(limit)

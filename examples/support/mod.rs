@@ -14,19 +14,27 @@ pub async fn build(settings: SemaphoreBuilder) -> Result<Semaphore, BoxError> {
     })
 }
 
-/// Connects to `url` (a cluster when it lists several nodes), trusting the CA in
-/// `REDIS_CA_FILE` when it is set.
+/// Connects to `url` (a cluster when it lists several nodes, with the `cluster` feature),
+/// trusting the CA in `REDIS_CA_FILE` when it is set (with the `tls` feature).
 pub async fn redis(url: &str) -> Result<RedisBackend, BoxError> {
     let nodes: Vec<&str> = url.split(',').map(str::trim).collect();
-    let mut builder = if nodes.len() > 1 {
+    #[cfg(feature = "cluster")]
+    let builder = if nodes.len() > 1 {
         RedisBackend::cluster_builder(&nodes)
     } else {
         RedisBackend::builder(url)
     };
-    if let Ok(path) = std::env::var("REDIS_CA_FILE") {
-        let pem =
-            std::fs::read(&path).map_err(|e| format!("cannot read REDIS_CA_FILE {path}: {e}"))?;
-        builder = builder.add_root_certificate_pem(pem);
-    }
+    #[cfg(not(feature = "cluster"))]
+    let builder = match nodes.len() {
+        1 => RedisBackend::builder(url),
+        _ => return Err("a list of Cluster nodes needs the `cluster` feature".into()),
+    };
+    #[cfg(feature = "tls")]
+    let builder = match std::env::var("REDIS_CA_FILE") {
+        Ok(path) => builder.add_root_certificate_pem(
+            std::fs::read(&path).map_err(|e| format!("cannot read REDIS_CA_FILE {path}: {e}"))?,
+        ),
+        Err(_) => builder,
+    };
     Ok(builder.connect().await?)
 }

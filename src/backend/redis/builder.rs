@@ -7,9 +7,11 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+#[cfg(feature = "tls")]
+use redis::TlsCertificates;
 use redis::{
     Client, ConnectionAddr, ErrorKind, IntoConnectionInfo, PushInfo, PushKind, RedisError,
-    RedisResult, TlsCertificates,
+    RedisResult,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -28,6 +30,12 @@ use crate::waitlist::Hub;
 /// hang.
 const CALL_TIMEOUT: Duration = Duration::from_secs(1);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Why a `rediss://` URL is refused by a build without TLS.
+#[cfg(not(feature = "tls"))]
+const NO_TLS: &str = "rediss:// (TLS) needs the tower-distributed-limit feature `tls`, on by \
+    default: this build was made without it (default-features = false); add \
+    features = [\"tls\"] or use a redis:// URL";
 
 impl RedisBackend {
     /// Connects to the Redis server at `url` (`redis://host:port/db`, or `rediss://` for TLS,
@@ -145,6 +153,8 @@ impl RedisBackend {
     /// # Cancel safety
     ///
     /// Dropping the future before it resolves drops the connections being opened.
+    #[cfg(feature = "cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
     pub async fn connect_cluster<U: IntoConnectionInfo + Clone>(urls: &[U]) -> Result<Self, Error> {
         Self::cluster_builder(urls).connect().await
     }
@@ -237,6 +247,8 @@ impl RedisBackend {
 
     /// Settings for a connection to a Redis Cluster through `urls`: the same options as
     /// [`RedisBackend::builder`] (timeouts, key prefix, TLS roots).
+    #[cfg(feature = "cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
     pub fn cluster_builder<U: IntoConnectionInfo + Clone>(urls: &[U]) -> RedisBackendBuilder {
         let nodes = urls
             .iter()
@@ -273,12 +285,22 @@ pub struct RedisBackendBuilder {
 impl RedisBackendBuilder {
     /// Default settings for `nodes`, or a builder whose `connect` fails for a malformed URL.
     fn new(nodes: Result<Nodes, RedisError>) -> Self {
+        Self::with(nodes.map_err(|e| {
+            // redis-rs refuses `rediss://` itself when built without TLS: say which feature.
+            #[cfg(not(feature = "tls"))]
+            if e.kind() == ErrorKind::InvalidClientConfig && e.to_string().contains("TLS") {
+                return Error::config(NO_TLS);
+            }
+            Error::config(format!(
+                "not a Redis URL ({e}); expected e.g. redis://127.0.0.1:6379"
+            ))
+        }))
+    }
+
+    /// Default settings for `nodes`, or a builder whose `connect` fails with its error.
+    fn with(nodes: Result<Nodes, Error>) -> Self {
         RedisBackendBuilder {
-            nodes: nodes.map_err(|e| {
-                Error::config(format!(
-                    "not a Redis URL ({e}); expected e.g. redis://127.0.0.1:6379"
-                ))
-            }),
+            nodes,
             call_timeout: CALL_TIMEOUT,
             connect_timeout: CONNECT_TIMEOUT,
             prefix: "dlimit:".into(),
@@ -290,9 +312,7 @@ impl RedisBackendBuilder {
 
     /// A builder whose `connect` fails with `error`.
     fn failed(error: Error) -> Self {
-        let mut builder = RedisBackendBuilder::new(Ok(Nodes::Cluster(Vec::new())));
-        builder.nodes = Err(error);
-        builder
+        Self::with(Err(error))
     }
 }
 
@@ -362,6 +382,8 @@ impl RedisBackendBuilder {
     ///     .await?;
     /// # let _ = redis; Ok(()) }
     /// ```
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn add_root_certificate_pem(mut self, pem: impl AsRef<[u8]>) -> Self {
         self.root_certificates.extend_from_slice(pem.as_ref());
         self.root_certificates.push(b'\n');
@@ -503,7 +525,9 @@ impl RedisBackendBuilder {
         }
         let infos = match &nodes {
             Nodes::Single(info) => std::slice::from_ref(&**info),
-            Nodes::Cluster(infos) | Nodes::Sentinel(infos, _) => &infos[..],
+            #[cfg(feature = "cluster")]
+            Nodes::Cluster(infos) => &infos[..],
+            Nodes::Sentinel(infos, _) => &infos[..],
         };
         let tls = infos
             .iter()
@@ -515,6 +539,11 @@ impl RedisBackendBuilder {
             ));
         }
         let tls = tls != 0;
+        // A `ConnectionInfo` made by hand can ask for TLS that this build cannot speak.
+        #[cfg(not(feature = "tls"))]
+        if tls {
+            return Err(Error::config(NO_TLS));
+        }
         if !self.root_certificates.is_empty() && !tls {
             return Err(Error::config(
                 "add_root_certificate_pem applies to TLS connections: use a rediss:// URL",
@@ -522,10 +551,14 @@ impl RedisBackendBuilder {
         }
         let label = match &nodes {
             Nodes::Single(info) => info.addr().to_string(),
+            #[cfg(feature = "cluster")]
             Nodes::Cluster(infos) => format!("{} (cluster)", infos[0].addr()),
             Nodes::Sentinel(_, master) => format!("master {master:?} (via the sentinels)"),
         };
+        #[cfg(feature = "cluster")]
         let cluster = matches!(nodes, Nodes::Cluster(_));
+        #[cfg(not(feature = "cluster"))]
+        let cluster = false;
         // Without WAIT only: with it, a grant counts once a replica has it (and Sentinel
         // promotes the replica that has the most), and a deposed master soon has no replica
         // left to acknowledge one.
@@ -536,10 +569,13 @@ impl RedisBackendBuilder {
             tls,
             call_timeout: self.call_timeout,
             connect_timeout: self.connect_timeout,
+            #[cfg(feature = "tls")]
             certificates: (!self.root_certificates.is_empty()).then_some(TlsCertificates {
                 client_tls: None,
                 root_cert: Some(self.root_certificates),
             }),
+            #[cfg(not(feature = "tls"))]
+            certificates: None,
         };
 
         let (subscribe, requests) = mpsc::unbounded_channel();
@@ -634,5 +670,40 @@ impl Reconnect for Connection {
 
     fn went_down(&self, why: String) {
         self.hub.down(why);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Built without TLS, a `rediss://` URL fails at `connect` with a configuration error that
+    /// names the feature, before any connection is tried.
+    #[cfg(not(feature = "tls"))]
+    #[tokio::test]
+    async fn without_the_tls_feature_a_rediss_url_is_a_config_error_naming_it() {
+        let outcome = RedisBackend::builder("rediss://127.0.0.1:6380")
+            .connect()
+            .await;
+        let Err(Error::Config(message)) = outcome else {
+            panic!("expected a configuration error, got {outcome:?}");
+        };
+        assert!(message.contains("feature `tls`"), "{message}");
+    }
+
+    /// Built with TLS, the same URL is a TLS connection that fails to connect, not a
+    /// configuration error.
+    #[cfg(feature = "tls")]
+    #[tokio::test]
+    async fn with_the_tls_feature_a_rediss_url_is_accepted() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .map(|addr| addr.port())
+            .unwrap();
+        let outcome = RedisBackend::builder(format!("rediss://127.0.0.1:{port}").as_str())
+            .connect_timeout(Duration::from_millis(200))
+            .connect()
+            .await;
+        assert!(matches!(outcome, Err(Error::Backend(_))), "{outcome:?}");
     }
 }

@@ -8,15 +8,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager};
+#[cfg(feature = "cluster")]
 use redis::cluster::ClusterClientBuilder;
+#[cfg(feature = "cluster")]
 use redis::cluster_async::ClusterConnection;
+#[cfg(feature = "cluster")]
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-use redis::{
-    Client, Cmd, ConnectionInfo, Pipeline, ProtocolVersion, RedisFuture, RedisResult,
-    TlsCertificates, Value,
-};
+use redis::{Cmd, ConnectionInfo, Pipeline, ProtocolVersion, RedisFuture, RedisResult, Value};
 
-use super::node::{NodeSettings, Pushes, manager};
+use super::node::{Certificates, NodeSettings, Pushes, client, manager};
 use super::sentinel::{Sentineled, demoted};
 
 /// Where the backend connects, with the timeouts every call and connection attempt get.
@@ -28,12 +28,13 @@ pub(super) struct Target {
     pub(super) call_timeout: Duration,
     pub(super) connect_timeout: Duration,
     /// Root certificates for TLS (`rediss://`), or `None` for the system's.
-    pub(super) certificates: Option<TlsCertificates>,
+    pub(super) certificates: Option<Certificates>,
 }
 
 #[derive(Debug, Clone)]
 pub(super) enum Nodes {
     Single(Box<ConnectionInfo>),
+    #[cfg(feature = "cluster")]
     Cluster(Vec<ConnectionInfo>),
     /// Sentinels, and the name of the master they watch.
     Sentinel(Vec<ConnectionInfo>, String),
@@ -43,6 +44,7 @@ pub(super) enum Nodes {
 #[derive(Clone)]
 pub(super) enum Conn {
     Single(ConnectionManager),
+    #[cfg(feature = "cluster")]
     Cluster(ClusterConnection),
     Sentinel(Arc<Sentineled>),
 }
@@ -63,7 +65,9 @@ impl Target {
     pub(super) fn open_bound(&self) -> Duration {
         match self.nodes {
             Nodes::Sentinel(..) => self.connect_timeout * 3,
-            Nodes::Single(_) | Nodes::Cluster(_) => self.connect_timeout,
+            Nodes::Single(_) => self.connect_timeout,
+            #[cfg(feature = "cluster")]
+            Nodes::Cluster(_) => self.connect_timeout,
         }
     }
 }
@@ -79,10 +83,7 @@ impl Conn {
                     .clone()
                     .set_protocol(ProtocolVersion::RESP3);
                 let info = info.set_redis_settings(settings);
-                let client = match target.certificates {
-                    Some(certificates) => Client::build_with_tls(info, certificates)?,
-                    None => Client::open(info)?,
-                };
+                let client = client(info, target.certificates)?;
                 Ok(Conn::Single(
                     manager(client, &pushes, target.call_timeout, target.connect_timeout).await?,
                 ))
@@ -90,8 +91,9 @@ impl Conn {
             Nodes::Sentinel(ref sentinels, ref master) => Ok(Conn::Sentinel(
                 Sentineled::open(sentinels.clone(), master.clone(), &target.node(), pushes).await?,
             )),
+            #[cfg(feature = "cluster")]
             Nodes::Cluster(nodes) => {
-                let mut builder = ClusterClientBuilder::new(nodes)
+                let builder = ClusterClientBuilder::new(nodes)
                     .use_protocol(ProtocolVersion::RESP3)
                     .push_sender(move |push| {
                         pushes(push);
@@ -100,9 +102,11 @@ impl Conn {
                     .response_timeout(target.call_timeout)
                     .connection_timeout(target.connect_timeout)
                     .retries(3);
-                if let Some(certificates) = target.certificates {
-                    builder = builder.certs(certificates);
-                }
+                #[cfg(feature = "tls")]
+                let builder = match target.certificates {
+                    Some(certificates) => builder.certs(certificates),
+                    None => builder,
+                };
                 Ok(Conn::Cluster(
                     builder.build()?.get_async_connection().await?,
                 ))
@@ -115,17 +119,22 @@ impl Conn {
     pub(super) async fn master_moved(&self) -> bool {
         match self {
             Conn::Sentinel(sentinel) => sentinel.master_moved().await,
-            Conn::Single(_) | Conn::Cluster(_) => false,
+            Conn::Single(_) => false,
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => false,
         }
     }
 
     /// One round trip: the probe's question whether the server answers.
     /// Loads the function library `text` where `key` lives: on a cluster, on that key's
     /// master only (as a call by key goes), not on every node.
+    // The key routes the load on a cluster only.
+    #[cfg_attr(not(feature = "cluster"), allow(unused_variables))]
     pub(super) async fn load_library(&mut self, text: &str, key: &[u8]) -> RedisResult<()> {
         let mut load = redis::cmd("FUNCTION");
         load.arg("LOAD").arg("REPLACE").arg(text);
         match self {
+            #[cfg(feature = "cluster")]
             Conn::Cluster(conn) => {
                 let node = Route::with_key(key, SlotAddr::Master);
                 let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
@@ -142,6 +151,7 @@ impl Conn {
     pub(super) async fn subscribe(&mut self, channel: &str) -> RedisResult<()> {
         match self {
             Conn::Single(conn) => conn.subscribe(channel).await,
+            #[cfg(feature = "cluster")]
             Conn::Cluster(conn) => conn.ssubscribe(channel).await,
             Conn::Sentinel(sentinel) => sentinel.subscribe(channel).await,
         }
@@ -150,6 +160,7 @@ impl Conn {
     pub(super) async fn unsubscribe(&mut self, channels: &[String]) -> RedisResult<()> {
         match self {
             Conn::Single(conn) => conn.unsubscribe(channels).await,
+            #[cfg(feature = "cluster")]
             Conn::Cluster(conn) => conn.sunsubscribe(channels).await,
             Conn::Sentinel(sentinel) => sentinel.unsubscribe(channels).await,
         }
@@ -160,6 +171,7 @@ impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Conn::Single(conn) => conn.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
             Conn::Cluster(conn) => conn.req_packed_command(cmd),
             Conn::Sentinel(sentinel) => Box::pin(sentinel.call(
                 async move |mut master| master.req_packed_command(cmd).await,
@@ -176,6 +188,7 @@ impl ConnectionLike for Conn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Conn::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
             Conn::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
             Conn::Sentinel(sentinel) => Box::pin(sentinel.call(
                 async move |mut master| master.req_packed_commands(pipeline, offset, count).await,
@@ -187,6 +200,7 @@ impl ConnectionLike for Conn {
     fn get_db(&self) -> i64 {
         match self {
             Conn::Single(conn) => conn.get_db(),
+            #[cfg(feature = "cluster")]
             Conn::Cluster(conn) => conn.get_db(),
             Conn::Sentinel(sentinel) => sentinel.current().map_or(0, |master| master.conn.get_db()),
         }

@@ -5,10 +5,32 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Client, PushInfo, RedisResult, TlsCertificates};
+use redis::{Client, ConnectionInfo, PushInfo, RedisResult};
 
 /// Where pushes go: grant announcements and lost connections.
 pub(in crate::backend) type Pushes = Arc<dyn Fn(PushInfo) + Send + Sync>;
+
+/// Root certificates to trust for TLS (`rediss://`): redis-rs's type with the `tls` feature;
+/// without it, a type with no value, so no TLS code is compiled and none can be asked for.
+#[cfg(feature = "tls")]
+pub(super) type Certificates = redis::TlsCertificates;
+#[cfg(not(feature = "tls"))]
+#[derive(Clone)]
+pub(super) enum Certificates {}
+
+/// A client for `info`, trusting `certificates` for TLS (`None`: the system's CAs).
+pub(super) fn client(
+    info: ConnectionInfo,
+    certificates: Option<Certificates>,
+) -> RedisResult<Client> {
+    match certificates {
+        #[cfg(feature = "tls")]
+        Some(certificates) => Client::build_with_tls(info, certificates),
+        #[cfg(not(feature = "tls"))]
+        Some(none) => match none {},
+        None => Client::open(info),
+    }
+}
 
 /// The timeouts and TLS roots of a connection to one node.
 #[derive(Clone)]
@@ -16,7 +38,7 @@ pub(super) struct NodeSettings {
     pub(super) call_timeout: Duration,
     pub(super) connect_timeout: Duration,
     /// Root certificates for TLS (`rediss://`), or `None` for the system's.
-    pub(super) certificates: Option<TlsCertificates>,
+    pub(super) certificates: Option<Certificates>,
 }
 
 /// A connection manager for one node, sending its pushes to `pushes`.

@@ -13,12 +13,12 @@ use redis::aio::{ConnectionManager, MultiplexedConnection};
 use redis::{
     AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo,
     ProtocolVersion, PushInfo, PushKind, RedisConnectionInfo, RedisError, RedisResult, Role,
-    ServerErrorKind, TlsCertificates, Value,
+    ServerErrorKind, Value,
 };
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::node::{NodeSettings, Pushes, manager};
+use super::node::{Certificates, NodeSettings, Pushes, client, manager};
 use crate::sync::lock;
 
 /// How long the sentinels' word that the master is the one we talk to stays good. A call on
@@ -69,7 +69,7 @@ pub(super) struct Sentineled {
     channels: Mutex<HashSet<String>>,
     sentinels: Vec<ConnectionInfo>,
     master_name: String,
-    certificates: Option<TlsCertificates>,
+    certificates: Option<Certificates>,
 }
 
 #[derive(Clone)]
@@ -295,10 +295,7 @@ impl Sentineled {
 
     /// A connection to one sentinel.
     async fn oracle(&self, info: ConnectionInfo) -> RedisResult<MultiplexedConnection> {
-        let client = match self.certificates.clone() {
-            Some(certificates) => Client::build_with_tls(info, certificates)?,
-            None => Client::open(info)?,
-        };
+        let client = client(info, self.certificates.clone())?;
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.connect_timeout))
             .set_response_timeout(Some(self.call_timeout));
@@ -431,10 +428,7 @@ async fn watcher(
         .clone()
         .set_protocol(ProtocolVersion::RESP3);
     let info = info.set_redis_settings(settings);
-    let client = match sentinel.certificates.clone() {
-        Some(certificates) => Client::build_with_tls(info, certificates)?,
-        None => Client::open(info)?,
-    };
+    let client = client(info, sentinel.certificates.clone())?;
     let prefix = format!("{} ", sentinel.master_name);
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(sentinel.connect_timeout))

@@ -3,12 +3,15 @@
 //! `GET` and `PTTL`: they have no snapshot of their own), and the JSON every command and the
 //! server print them as.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use futures_util::{StreamExt, TryStreamExt, stream};
 use redis::Value;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use tower_distributed_limit::{PROTOCOL_VERSION, RedisBackend, Semaphore, Snapshot};
+use tower_distributed_limit::{
+    PROTOCOL_VERSION, RedisBackend, RedisBackendBuilder, Semaphore, Snapshot,
+};
 
 use crate::Failure;
 
@@ -59,7 +62,7 @@ impl Fleet {
     pub async fn connect(url: &str, prefix: &str, lazy: bool) -> Result<Fleet, Failure> {
         let urls: Vec<&str> = url.split(',').map(str::trim).collect();
         let builder = if urls.len() > 1 {
-            RedisBackend::cluster_builder(&urls)
+            cluster(&urls)?
         } else {
             RedisBackend::builder(url)
         }
@@ -158,6 +161,45 @@ impl Fleet {
         Ok(limiters)
     }
 
+    /// The ids of the holders of `names` whose grant is still provisional: granted from the
+    /// line, in its claim window until its process claims it with its next call. The snapshot
+    /// does not say it; the holders' sorted set does (a provisional score has a `.5` fraction,
+    /// see `lua/semaphore/holders.lua`). Best effort, for the page's note: a node that does not
+    /// hold a semaphore's keys (a Cluster) answers an error, which is skipped.
+    pub async fn provisional(&self, names: &[&str]) -> Result<HashSet<String>, Failure> {
+        let mut ids = HashSet::new();
+        if names.is_empty() {
+            return Ok(ids);
+        }
+        for node in &self.nodes {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            for name in names {
+                pipe.cmd("ZRANGE")
+                    .arg(format!("{}{{{}}}:holders", self.prefix, tag_of(name)))
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES");
+            }
+            let replies: Vec<Value> = pipe
+                .query_async(&mut node.conn.clone())
+                .await
+                .map_err(|e| node.unreachable(e))?;
+            for reply in &replies {
+                let Ok(pairs) = redis::from_redis_value_ref::<Vec<(String, String)>>(reply) else {
+                    continue;
+                };
+                ids.extend(
+                    pairs
+                        .into_iter()
+                        .filter(|(_, score)| score.contains('.'))
+                        .filter_map(|(member, _)| Some(member.split(':').next()?.to_owned())),
+                );
+            }
+        }
+        Ok(ids)
+    }
+
     /// The other key prefixes semaphores are kept under on these nodes: what a wrong
     /// `--prefix` should have been.
     async fn other_prefixes(&self) -> Result<Vec<String>, Failure> {
@@ -190,6 +232,23 @@ impl Fleet {
         }
         Ok(message)
     }
+}
+
+/// The backend's settings for the Cluster at `urls`.
+#[cfg(feature = "cluster")]
+fn cluster(urls: &[&str]) -> Result<RedisBackendBuilder, Failure> {
+    Ok(RedisBackend::cluster_builder(urls))
+}
+
+/// A build without the `cluster` feature cannot talk to a Cluster: say so rather than try
+/// the first node alone.
+#[cfg(not(feature = "cluster"))]
+fn cluster(_: &[&str]) -> Result<RedisBackendBuilder, Failure> {
+    Err(Failure::Refused(
+        "--url lists several nodes (a Redis Cluster), but this dlimit was built without the \
+         `cluster` feature"
+            .into(),
+    ))
 }
 
 impl Node {
@@ -292,6 +351,14 @@ fn name_of(key: &str, prefix: &str, suffix: &str) -> Option<String> {
             .replace("%7D", "}")
             .replace("%25", "%"),
     )
+}
+
+/// The hash tag of `name`, as the crate writes it: `%`, `{` and `}` percent-encoded (the
+/// inverse of [`name_of`]).
+fn tag_of(name: &str) -> String {
+    name.replace('%', "%25")
+        .replace('{', "%7B")
+        .replace('}', "%7D")
 }
 
 /// `prefix` as a SCAN pattern that matches it literally.
@@ -433,6 +500,11 @@ mod tests {
             Some("api:acme")
         );
         assert_eq!(name_of("other:{api}:meta", "dlimit:", ":meta"), None);
+        let tagged = format!("dlimit:{{{}}}:meta", tag_of("a}b%{"));
+        assert_eq!(
+            name_of(&tagged, "dlimit:", ":meta").as_deref(),
+            Some("a}b%{")
+        );
     }
 
     #[test]

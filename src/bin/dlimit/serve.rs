@@ -2,7 +2,9 @@
 //! fetches every second), the same data as JSON at `/api/semaphores` and `/api/rate-limiters`,
 //! and the fleet's gauges at `/metrics`. Every request reads Redis afresh; nothing is cached,
 //! so two viewers never disagree and a scrape is as fresh as its answer. When Redis cannot be
-//! read, each answers 503 with the reason (the page says it in place of its tables).
+//! read, each answers 503 with the reason (the page says it in place of its tables). The one
+//! thing kept between requests is which rate limiters the page saw lately ([`Sightings`]):
+//! a limiter under its rate has a key only briefly, so one read alone would miss it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,10 +19,16 @@ use tokio::net::TcpListener;
 use crate::Failure;
 use crate::fleet::{self, Fleet};
 use crate::metrics;
-use crate::page::{self, View};
+use crate::page::{self, Sightings, View};
 use crate::text::terminal;
 
-type Shared = State<Arc<Fleet>>;
+/// What every request shares.
+struct Served {
+    fleet: Fleet,
+    sightings: Sightings,
+}
+
+type Shared = State<Arc<Served>>;
 
 pub async fn serve(fleet: Fleet, listen: SocketAddr) -> Result<(), Failure> {
     let listener = TcpListener::bind(listen)
@@ -38,48 +46,52 @@ pub async fn serve(fleet: Fleet, listen: SocketAddr) -> Result<(), Failure> {
         .route("/api/semaphores", get(semaphores))
         .route("/api/rate-limiters", get(rate_limiters))
         .route("/metrics", get(scrape))
-        .with_state(Arc::new(fleet));
+        .with_state(Arc::new(Served {
+            fleet,
+            sightings: Sightings::default(),
+        }));
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown())
         .await
         .map_err(|e| Failure::Refused(format!("serving on {bound} failed: {e}")))
 }
 
-async fn index(State(fleet): Shared) -> Response {
-    let view = View::read(&fleet).await;
+async fn index(State(served): Shared) -> Response {
+    let view = View::read(&served.fleet, &served.sightings).await;
     let status = status(&view);
-    let body = page::page(&page::live(&fleet, view.as_ref()));
+    let body = page::page(&page::live(&served.fleet, view.as_ref()));
     answer(status, "text/html; charset=utf-8", body)
 }
 
-async fn live(State(fleet): Shared) -> Response {
-    let view = View::read(&fleet).await;
+async fn live(State(served): Shared) -> Response {
+    let view = View::read(&served.fleet, &served.sightings).await;
     answer(
         status(&view),
         "text/html; charset=utf-8",
-        page::live(&fleet, view.as_ref()),
+        page::live(&served.fleet, view.as_ref()),
     )
 }
 
-async fn semaphores(State(fleet): Shared) -> Response {
-    json(fleet.semaphores().await.map(|all| {
+async fn semaphores(State(served): Shared) -> Response {
+    json(served.fleet.semaphores().await.map(|all| {
         all.iter()
             .map(|(name, snap)| fleet::semaphore_json(name, snap))
             .collect()
     }))
 }
 
-async fn rate_limiters(State(fleet): Shared) -> Response {
+async fn rate_limiters(State(served): Shared) -> Response {
     json(
-        fleet
+        served
+            .fleet
             .rate_limiters()
             .await
             .map(|all| all.iter().map(fleet::rate_json).collect()),
     )
 }
 
-async fn scrape(State(fleet): Shared) -> Response {
-    match metrics::scrape(&fleet).await {
+async fn scrape(State(served): Shared) -> Response {
+    match metrics::scrape(&served.fleet).await {
         Ok(text) => answer(
             StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",

@@ -53,14 +53,16 @@ pub fn label(s: &str) -> String {
     out
 }
 
-/// `41.2 s`, `3 m 12 s`, `2 h 05 m`, `3 d 04 h`: precise where it is short, readable where
-/// it is long.
+/// `28 ms`, `41.2 s`, `3 m 12 s`, `2 h 05 m`, `3 d 04 h`: precise where it is short,
+/// readable where it is long. Under a second in milliseconds: a rate limiter's spent burst or a
+/// claim window is often a few of them, which tenths of a second would show as `0.0 s`.
 pub fn duration(d: Duration) -> String {
     let secs = d.as_secs();
     let mut out = String::new();
     // Writing to a String cannot fail.
     let _ = match secs {
-        0..60 => write!(out, "{:.1} s", d.as_secs_f64()),
+        0 => write!(out, "{} ms", d.as_millis()),
+        1..60 => write!(out, "{:.1} s", d.as_secs_f64()),
         60..3600 => write!(out, "{} m {:02} s", secs / 60, secs % 60),
         3600..86400 => write!(out, "{} h {:02} m", secs / 3600, secs % 3600 / 60),
         _ => write!(out, "{} d {:02} h", secs / 86400, secs % 86400 / 3600),
@@ -132,6 +134,7 @@ mod tests {
 
     #[test]
     fn durations_read_at_a_glance() {
+        assert_eq!(duration(Duration::from_micros(28_600)), "28 ms");
         assert_eq!(duration(Duration::from_millis(41_230)), "41.2 s");
         assert_eq!(duration(Duration::from_secs(192)), "3 m 12 s");
         assert_eq!(duration(Duration::from_secs(7500)), "2 h 05 m");
