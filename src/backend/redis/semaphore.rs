@@ -1546,6 +1546,7 @@ mod tests {
         assert_eq!(lease_of("no-lease"), None);
     }
 
+    #[cfg(feature = "cluster")]
     #[tokio::test]
     async fn on_a_cluster_an_acquire_sent_while_a_release_is_unanswered_carries_it_too() {
         let backend = RedisBackend::cluster_builder(&["redis://127.0.0.1:1"])
