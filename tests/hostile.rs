@@ -247,18 +247,9 @@ async fn write(
             }
         }
         Foreign::GoneWaiters => {
-            let n = rng.usize(1_000..5_000);
-            let mut queued = redis::cmd("ZADD");
-            let mut live = redis::cmd("ZADD");
-            queued.arg(&queue);
-            live.arg(&alive);
-            for i in 0..n {
-                let member = format!("dead{i:012x}:1:2000");
-                queued.arg(1_000_000 + i).arg(&member);
-                live.arg(now_ms.saturating_sub(1)).arg(&member);
-            }
-            let _ = queued.query_async::<redis::Value>(conn).await;
-            let _ = live.query_async::<redis::Value>(conn).await;
+            let n = rng.u64(1_000..5_000);
+            // (Scored in rank 0's range, where no plain member's name puts it.)
+            plant_gone(conn, name, n, 1_000_000).await;
         }
         Foreign::Sidekeys => {
             cmd(
@@ -335,6 +326,23 @@ async fn plant(conn: &mut MultiplexedConnection, name: &str, n: u32, lease_ms: u
         let score = ((s + 3_600) * 1000).to_string();
         cmd(conn, &["ZADD", &key(name, "holders"), &score, &member]).await;
     }
+}
+
+/// Plants `n` waiters of a process that is gone in semaphore `name`'s line, scored from
+/// `first` on, their liveness deadlines passed.
+async fn plant_gone(conn: &mut MultiplexedConnection, name: &str, n: u64, first: u64) {
+    let (s, _): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    let mut queued = redis::cmd("ZADD");
+    let mut live = redis::cmd("ZADD");
+    queued.arg(key(name, "queue"));
+    live.arg(key(name, "alive"));
+    for i in 0..n {
+        let member = format!("dead{i:012x}:1:2000");
+        queued.arg(first + i).arg(&member);
+        live.arg(s * 1000 - 1).arg(&member);
+    }
+    let _ = queued.query_async::<redis::Value>(conn).await;
+    let _ = live.query_async::<redis::Value>(conn).await;
 }
 
 /// Whether semaphore `name` has a `holders` key of its type.
@@ -757,18 +765,8 @@ async fn the_work_a_call_leaves_is_done_by_the_next() {
     let mut held = sem.acquire().await.unwrap();
     // (Scored ahead of any waiter this crate queues now, their liveness passed.)
     let (s, _): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
-    let mut queued = redis::cmd("ZADD");
-    let mut live = redis::cmd("ZADD");
-    queued.arg(key("rest", "queue"));
-    live.arg(key("rest", "alive"));
-    for i in 0..3_000u64 {
-        let member = format!("dead{i:012x}:1:2000");
-        // Rank 3 (NORMAL) × 2^48, arrivals from 1.
-        queued.arg(3 * (1u64 << 48) + 1 + i).arg(&member);
-        live.arg(s * 1000 - 1).arg(&member);
-    }
-    let _: () = queued.query_async(&mut conn).await.unwrap();
-    let _: () = live.query_async(&mut conn).await.unwrap();
+    // Rank 3 (NORMAL) × 2^48, arrivals from 1.
+    plant_gone(&mut conn, "rest", 3_000, 3 * (1u64 << 48) + 1).await;
     let waiter = tokio::spawn({
         let sem = sem.clone();
         async move { sem.acquire().await }
