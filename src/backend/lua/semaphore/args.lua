@@ -55,10 +55,16 @@ local function whole(text, high)
   return n
 end
 
--- A stored number of any form, if finite and within 2^53 (else nil: `inf`, `nan`, huge).
+-- Whether `x` is a number this crate could have written: not NaN, within 2^53 either way
+-- (so exact in a double; infinities are not).
+local function exact(x)
+  return x == x and x > -2 ^ 53 and x < 2 ^ 53
+end
+
+-- A stored number of any form, if `exact` (else nil: `inf`, `nan`, huge, not a number).
 local function finite(text)
   local x = tonumber(text)
-  if x and x == x and x > -2 ^ 53 and x < 2 ^ 53 then
+  if x and exact(x) then
     return x
   end
   return nil
@@ -265,17 +271,15 @@ local function step_meta()
   used, count, fence, horizon, line, arrived, seen, alive_at, silent_at = nil, nil, nil, nil,
     nil, nil, nil, nil, nil
   if stored[1] and #stored[1] == 72 then
-    local values = {struct.unpack(STATE, stored[1])}
-    -- Foreign bytes may unpack to anything: every value finite and within 2^53 (exact in a
-    -- double), the counts whole and not negative, else the counters are rebuilt (sweep.lua).
-    local sane = values[1] >= 0 and values[2] >= 0 and values[1] % 1 == 0
-      and values[2] % 1 == 0 and values[3] >= 0
-    for i = 1, 9 do
-      local x = values[i]
-      sane = sane and x == x and x > -1 - 2 ^ 53 and x < 2 ^ 53
-    end
-    if sane then
-      used, count, fence, horizon, line, arrived, seen, alive_at, silent_at = unpack(values, 1, 9)
+    -- Foreign bytes may unpack to anything: every value `exact`, the counts whole and not
+    -- negative, else the counters are rebuilt (sweep.lua). (Nine locals, not a table: no
+    -- allocation on every call for the collector to reclaim.)
+    local u, c, f, h, l, a, s, at, si = struct.unpack(STATE, stored[1])
+    if exact(u) and exact(c) and exact(f) and exact(h) and exact(l) and exact(a) and exact(s)
+        and exact(at) and exact(si) and u >= 0 and c >= 0 and u % 1 == 0 and c % 1 == 0
+        and f >= 0 then
+      used, count, fence, horizon, line, arrived, seen, alive_at, silent_at =
+        u, c, f, h, l, a, s, at, si
     end
   end
   stored_version = stored[9]
