@@ -1,10 +1,10 @@
-//! The benchmark client for `../shared/bench` (see its README for the contract): one process,
+//! The benchmark client for the shared benchmark harness (see its README for the contract): one process,
 //! `--workers` tokio tasks, each looping acquire -> observer INCR -> hold -> DECR -> release,
 //! using the crate's public API as a user would. Prints one JSON line.
 //!
 //! ```sh
 //! cargo build --release --example bench_client
-//! RUST_CLIENT=$PWD/target/release/examples/bench_client ../shared/bench/run.sh
+//! RUST_CLIENT=$PWD/target/release/examples/bench_client "$HARNESS"/run.sh
 //! ```
 //!
 //! `--cluster-urls a,b,c` runs the semaphore on a Redis Cluster, `--quorum-urls a,b,c` on a
