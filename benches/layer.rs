@@ -1,5 +1,5 @@
 //! What `DistributedConcurrencyLimitLayer` adds to a request: the same `service_fn` served bare,
-//! behind the generic layer and behind its `.http()` flavour, with `weight_by` and
+//! behind the generic layer and behind its `.http()` flavor, with `weight_by` and
 //! `acquire_in_poll_ready`, and a service of a request type that is not HTTP (`u64` jobs), all on
 //! `MemoryBackend`, beside tower's per-process `ConcurrencyLimitLayer` for scale; partitioned
 //! jobs whose keys hit the partitions' cache or miss it (more keys than its capacity), and
@@ -7,7 +7,7 @@
 //! difference between `bare` and a layered line is the layer's cost per request (taking and
 //! giving back a permit, the boxed acquire future, the moved inner service).
 //!
-//! Every variant reads the response body to its end, as a server would: the HTTP flavour holds
+//! Every variant reads the response body to its end, as a server would: the HTTP flavor holds
 //! the permit until then. The limit is 1, so a permit that was not given back stalls the bench
 //! instead of going unnoticed.
 

@@ -58,7 +58,7 @@ async fn main() -> Result<(), BoxError> {
     let upstream = start_upstream(max_seen.clone()).await?;
 
     let sem = support::build(Semaphore::builder("example-upstream").limit(3)).await?;
-    // Generic flavour: a request that gets no permit in time fails with a BoxError that
+    // Generic flavor: a request that gets no permit in time fails with a BoxError that
     // downcasts to tower_distributed_limit::Error.
     let client = ServiceBuilder::new()
         .layer(DistributedConcurrencyLimitLayer::new(sem))

@@ -55,7 +55,7 @@ const PROBE_RAISE: f64 = 1.25;
 /// [`SemaphoreBuilder::adaptive`](crate::SemaphoreBuilder::adaptive) instead of a fixed limit.
 ///
 /// A permit's hold time (grant to release) is its latency sample;
-/// [`Permit::overloaded`](crate::Permit::overloaded) marks a hold whose request was dropped or
+/// [`Permit::mark_overloaded`](crate::Permit::mark_overloaded) marks a hold whose request was dropped or
 /// timed out downstream, which lowers the limit by a tenth. The limit is stored and changed
 /// with the semaphore's state, by the same atomic call that takes the release, so every
 /// process admits by the same limit at every instant and the fleet's in-flight never exceeds

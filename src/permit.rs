@@ -79,7 +79,7 @@ pub(crate) struct Claim {
     /// Its grant also spent a rate limit's allowance, in the same backend call, or the layer
     /// checked the rate once it was held: what the rate limit decided.
     rate: Option<RateDecision>,
-    /// Its request was dropped or timed out downstream (`Permit::overloaded`): an adaptive
+    /// Its request was dropped or timed out downstream (`Permit::mark_overloaded`): an adaptive
     /// limit's congestion signal, sent with the release.
     overloaded: AtomicBool,
 }
@@ -227,16 +227,10 @@ impl std::fmt::Debug for Permit {
 }
 
 impl Permit {
-    /// What the rate limit decided with its grant (in the same backend call), or once it was
-    /// held (the layer's `rate_limit`, [`with_rate`](Self::with_rate)); `None`: not spent.
+    /// What the rate limit decided with its grant, in the same backend call (the layer's
+    /// `rate_limit`); `None`: not spent there.
     pub(crate) fn rate(&self) -> Option<&RateDecision> {
         self.claim.rate.as_ref()
-    }
-
-    /// Records the rate decision the layer took once this permit was held.
-    pub(crate) fn with_rate(mut self, decision: RateDecision) -> Permit {
-        self.claim.rate = Some(decision);
-        self
     }
 
     /// Unique per acquisition (a random 128-bit id, hex), never reused.
@@ -312,11 +306,11 @@ impl Permit {
     ///     .build(MemoryBackend::new())?;
     /// let permit = sem.acquire().await?;
     /// // ... the query behind it timed out:
-    /// permit.overloaded();
+    /// permit.mark_overloaded();
     /// drop(permit);
     /// # Ok(()) }
     /// ```
-    pub fn overloaded(&self) {
+    pub fn mark_overloaded(&self) {
         self.claim.overloaded.store(true, Ordering::Relaxed);
     }
 

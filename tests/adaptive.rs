@@ -62,7 +62,7 @@ fn load(
                     };
                     downstream.serve().await;
                     if overloaded.load(Ordering::Relaxed) {
-                        permit.overloaded();
+                        permit.mark_overloaded();
                     }
                 }
             });

@@ -259,7 +259,7 @@ async fn pooled_holds_teach_the_limit(backend: impl Backend) {
         for _ in 0..20 {
             let permit = sem.acquire().await.unwrap();
             ids.insert(permit.id().to_owned());
-            permit.overloaded();
+            permit.mark_overloaded();
         }
         // Time is the subject: the limit moves once per window of 100 ms.
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -2,6 +2,7 @@
 //! asks of it ([`Admit`]), with the pieces the layer's builder methods put together.
 
 use super::PartitionKey;
+use super::spares::Spares;
 use crate::{Ask, Error, Priority, Semaphore};
 
 /// For one request: the semaphore it counts against and what it asks of it. The layer's
@@ -13,7 +14,7 @@ use crate::{Ask, Error, Priority, Semaphore};
 ///
 /// # Errors
 ///
-/// [`Error::BadKey`] for a request whose key is missing or invalid (400 in the HTTP flavour);
+/// [`Error::BadKey`] for a request whose key is missing or invalid (400 in the HTTP flavor);
 /// any other error (a partition that cannot be built) is answered like a failing backend.
 ///
 /// # Example
@@ -50,6 +51,13 @@ use crate::{Ask, Error, Priority, Semaphore};
 pub trait Admit<R> {
     /// The semaphore `request` counts against, and what it asks of it.
     fn admit(&self, request: &R) -> Result<(Semaphore, Ask), Error>;
+
+    /// Whether the permit is reserved in `poll_ready`, and where: only [`InPollReady`] does;
+    /// the argument keeps this crate's own admissions the only ones that can say so.
+    #[doc(hidden)]
+    fn reserves(&self, _: sealed::Private) -> Option<&InPollReady> {
+        None
+    }
 }
 
 /// Every request asks one permit of this semaphore.
@@ -235,11 +243,19 @@ where
 /// # let _ = layer;
 /// ```
 #[derive(Debug, Clone)]
-pub struct InPollReady(pub(crate) Semaphore);
+pub struct InPollReady {
+    pub(crate) semaphore: Semaphore,
+    /// The permits held ahead for every service the layer makes.
+    pub(crate) spares: Spares,
+}
 
 impl<R> Admit<R> for InPollReady {
     fn admit(&self, _: &R) -> Result<(Semaphore, Ask), Error> {
-        Ok((self.0.clone(), Ask::new()))
+        Ok((self.semaphore.clone(), Ask::new()))
+    }
+
+    fn reserves(&self, _: sealed::Private) -> Option<&InPollReady> {
+        Some(self)
     }
 }
 
@@ -255,6 +271,10 @@ impl<A, K> Weighable for Tenanted<A, K> {}
 pub(super) mod sealed {
     /// Only this crate's admissions are [`Weighable`](super::Weighable).
     pub trait Sealed {}
+
+    /// Only this crate can call or override [`Admit::reserves`](super::Admit::reserves).
+    #[derive(Debug, Clone, Copy)]
+    pub struct Private;
     impl Sealed for crate::Semaphore {}
     impl<A, W> Sealed for super::Weighted<A, W> {}
     impl<A, P> Sealed for super::Prioritized<A, P> {}

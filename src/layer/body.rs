@@ -1,4 +1,4 @@
-//! The response body of the HTTP flavour: the inner body with the permit riding along, or the
+//! The response body of the HTTP flavor: the inner body with the permit riding along, or the
 //! layer's own refusal.
 
 use std::pin::Pin;
@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use super::spares::Held;
+use super::acquire::PermitPass;
 
 pin_project! {
     /// The body of a response from [`HttpConcurrencyLimit`](super::HttpConcurrencyLimit).
@@ -49,7 +49,7 @@ pin_project! {
         Inner {
             #[pin]
             body: B,
-            permit: Option<Held>,
+            permit: Option<PermitPass>,
         },
         Refusal {
             data: Option<Bytes>,
@@ -59,7 +59,7 @@ pin_project! {
 
 impl<B> ResponseBody<B> {
     /// The inner body; `permit` is dropped (released) when it finishes.
-    pub(crate) fn new(body: B, permit: Option<Held>) -> Self {
+    pub(crate) fn new(body: B, permit: Option<PermitPass>) -> Self {
         ResponseBody {
             kind: Kind::Inner { body, permit },
         }

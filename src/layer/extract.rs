@@ -6,8 +6,8 @@ use http::request::Parts;
 
 use super::token::FencingToken;
 
-/// The token the layer's HTTP flavour put in the request. Without the layer (a route outside
-/// it, or the generic flavour), the request is answered 500 with a sentence saying so.
+/// The token the layer's HTTP flavor put in the request. Without the layer (a route outside
+/// it, or the generic flavor), the request is answered 500 with a sentence saying so.
 ///
 /// ```
 /// use axum::{Router, routing::get};

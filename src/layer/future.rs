@@ -12,19 +12,20 @@ use tower::{BoxError, Service};
 
 use super::body::ResponseBody;
 use super::gate::{Gate, Pass};
+use super::gatekeeper::Overloaded;
 use super::http::HttpSettings;
-use super::limiter::Overloaded;
-use super::refused::Refused;
+use super::refusal::Refused;
 use super::token::{FencingToken, scoped};
 use crate::Error;
 
-pub use super::gate::{AcquirePermit, CheckRate};
+pub use super::acquire::AcquirePermit;
+pub use crate::rate::check::CheckRate;
 
 /// How a [`Limited`] future ended without a response.
 pub(crate) enum Failure<E, P> {
     /// Refused before the inner service saw the request.
     Refused(Refused),
-    /// The inner service failed; the pass, for the flavour to judge and drop.
+    /// The inner service failed; the pass, for the flavor to judge and drop.
     Inner(E, P),
 }
 
@@ -42,7 +43,7 @@ impl<P: Pass> InFlight<P> {
 impl<P: Pass> Drop for InFlight<P> {
     fn drop(&mut self) {
         if let Some(pass) = &self.0 {
-            pass.overloaded();
+            pass.mark_overloaded();
         }
     }
 }
@@ -60,8 +61,8 @@ pub(crate) fn extension<B>(request: &mut Request<B>, token: FencingToken) {
 
 pin_project! {
     /// Waits for the gate (a permit, a rate decision), then calls the inner service with its
-    /// pass held: the state machine both layers and every flavour share. Resolves to the
-    /// response and the pass, for the flavour to keep or drop.
+    /// pass held: the state machine both layers and every flavor share. Resolves to the
+    /// response and the pass, for the flavor to keep or drop.
     #[project = LimitedProj]
     pub(crate) enum Limited<S, R, G>
     where
@@ -183,7 +184,7 @@ fn polled_after_completion() -> ! {
 }
 
 pin_project! {
-    /// The response future of the generic flavour of both layers
+    /// The response future of the generic flavor of both layers
     /// ([`DistributedConcurrencyLimit`](super::DistributedConcurrencyLimit),
     /// [`DistributedRateLimit`](crate::rate::DistributedRateLimit)): holds the permit until
     /// the inner service's response is ready; a refusal is a [`BoxError`] that downcasts to
@@ -229,7 +230,7 @@ where
             Err(Failure::Inner(e, pass)) => {
                 let e = e.into();
                 if (this.overloaded)(&e) {
-                    pass.overloaded();
+                    pass.mark_overloaded();
                 }
                 Err(e)
             }
@@ -249,7 +250,7 @@ where
 }
 
 pin_project! {
-    /// The response future of the HTTP and gRPC flavours of both layers: answers a refused
+    /// The response future of the HTTP and gRPC flavors of both layers: answers a refused
     /// request itself; the concurrency layer's permit rides in the response body (unless the
     /// layer releases at the response head), the rate layer's decision in its headers.
     pub struct HttpResponseFuture<S, B, G = AcquirePermit>
@@ -287,13 +288,13 @@ where
         Poll::Ready(match ready!(this.limited.poll(cx)) {
             Ok((response, pass)) => {
                 if (this.settings.overloaded)(response.status()) {
-                    pass.overloaded();
+                    pass.mark_overloaded();
                 }
                 Ok(pass.respond(response, this.settings))
             }
             // No answer at all: the request failed downstream.
             Err(Failure::Inner(e, pass)) => {
-                pass.overloaded();
+                pass.mark_overloaded();
                 Err(e)
             }
             Err(Failure::Refused(refused)) => Ok(this.settings.reject(refused)),

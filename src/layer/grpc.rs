@@ -1,4 +1,4 @@
-//! How the gRPC flavour answers a refused request: a trailers-only response whose
+//! How the gRPC flavor answers a refused request: a trailers-only response whose
 //! `grpc-status` a tonic client reads as a `Status`, and a tonic server sends as is.
 
 use bytes::Bytes;

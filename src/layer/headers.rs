@@ -6,8 +6,7 @@ use std::time::Duration;
 use http::HeaderMap;
 use http::header::{HeaderName, HeaderValue};
 
-use crate::RateLimiter;
-use crate::backend::RateDecision;
+use crate::rate::Decided;
 
 /// `RateLimit`, from the IETF httpapi ratelimit-headers draft.
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -19,7 +18,7 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 pub const REFUSAL_HEADER: HeaderName = HeaderName::from_static("x-dlimit-refusal");
 
 /// `x-dlimit-class`: the class (`critical`, `normal`, `batch`, `level-<n>`) of a request the
-/// HTTP flavour refused for want of a permit, so a client or dashboard sees which class was
+/// HTTP flavor refused for want of a permit, so a client or dashboard sees which class was
 /// full.
 pub const CLASS_HEADER: HeaderName = HeaderName::from_static("x-dlimit-class");
 
@@ -40,7 +39,8 @@ pub(crate) fn insert_concurrency_policy(headers: &mut HeaderMap, limit: u32) {
 
 /// `RateLimit-Policy: "<name>";q=<quota>;w=<window s>` and
 /// `RateLimit: "<name>";r=<remaining>;t=<s until retry, or until full again>`.
-pub(crate) fn insert_rate(headers: &mut HeaderMap, limiter: &RateLimiter, decision: &RateDecision) {
+pub(crate) fn insert_rate(headers: &mut HeaderMap, decided: &Decided) {
+    let Decided { limiter, decision } = decided;
     let name = policy_name(limiter.name());
     let (quota, window) = quota_window(limiter.rate(), limiter.period());
     let t = retry_after_secs(decision.retry_after.unwrap_or(decision.reset_after));

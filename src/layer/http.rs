@@ -1,4 +1,4 @@
-//! How the HTTP flavour of both layers answers a refused request: one kind of [`Refusal`] per
+//! How the HTTP flavor of both layers answers a refused request: one kind of [`Refusal`] per
 //! error, each with its own status, sentence and `x-dlimit-refusal`, in HTTP or gRPC.
 
 use std::sync::Arc;
@@ -9,8 +9,7 @@ use http::{HeaderValue, Response, StatusCode};
 
 use super::body::ResponseBody;
 use super::headers::{CLASS_HEADER, insert_concurrency_policy, insert_rate};
-use super::refusal::Refusal;
-use super::refused::{Policy, Refused};
+use super::refusal::{Asked, Refusal, Refused, RefusedBy};
 use crate::{Error, Priority};
 
 /// The hook's shape: the answer to a refusal, or `None` for the default one.
@@ -36,7 +35,7 @@ pub(crate) enum Answer {
     Grpc,
 }
 
-/// The settings of the HTTP flavour, for both layers; see
+/// The settings of the HTTP flavor, for both layers; see
 /// [`HttpConcurrencyLimitLayer`](super::HttpConcurrencyLimitLayer) and
 /// [`DistributedRateLimitLayer::http`](crate::DistributedRateLimitLayer::http).
 #[derive(Debug, Clone)]
@@ -79,7 +78,7 @@ impl Default for HttpSettings {
     }
 }
 
-/// A 5xx answer: the default congestion signal of the HTTP flavour.
+/// A 5xx answer: the default congestion signal of the HTTP flavor.
 fn server_error(status: StatusCode) -> bool {
     status.is_server_error()
 }
@@ -87,9 +86,11 @@ fn server_error(status: StatusCode) -> bool {
 impl HttpSettings {
     /// The answer to a refused request, with the `RateLimit` headers its policy asks for.
     pub(crate) fn reject<B>(&self, refused: Refused) -> Response<ResponseBody<B>> {
-        let Refused { error, policy } = refused;
-        let class = match policy {
-            Policy::Concurrency(_, class) if Refusal::of(&error).no_permit() => Some(class),
+        let Refused { error, by } = refused;
+        let class = match by {
+            RefusedBy::Semaphore(Asked { class, .. }) if Refusal::of(&error).no_permit() => {
+                Some(class)
+            }
             _ => None,
         };
         log(&error, class);
@@ -102,12 +103,12 @@ impl HttpSettings {
         }
         .map(ResponseBody::refusal);
         let headers = response.headers_mut();
-        match policy {
-            Policy::Concurrency(limit, _) if self.policy_header => {
+        match by {
+            RefusedBy::Semaphore(Asked { limit, .. }) if self.policy_header => {
                 insert_concurrency_policy(headers, limit)
             }
-            Policy::Rate(limiter, decision) if self.rate_headers && self.answer == Answer::Http => {
-                insert_rate(headers, &limiter, &decision)
+            RefusedBy::Rate(decided) if self.rate_headers && self.answer == Answer::Http => {
+                insert_rate(headers, &decided)
             }
             _ => {}
         }

@@ -1,4 +1,4 @@
-//! The layer and its builder methods, for every flavour.
+//! The layer and its builder methods, for every flavor.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,9 +8,9 @@ use http::StatusCode;
 use tower::{BoxError, Layer};
 
 use super::admit::{InPollReady, Prioritized, Tenanted, Weighable, Weighted};
-use super::flavour::{Accepts, Http, Plain};
+use super::flavor::{Accepts, Http, Plain};
+use super::gatekeeper::{ANY_ERROR, Gatekeeper};
 use super::key::HeaderKey;
-use super::limiter::{ANY_ERROR, Limiter};
 use super::partitions::Partitions;
 use super::service::DistributedConcurrencyLimit;
 use super::spares::Spares;
@@ -38,7 +38,7 @@ use crate::{Priority, Semaphore};
 ///   [`Weighted`] by [`weight_by`](Self::weight_by), [`InPollReady`] by
 ///   [`acquire_in_poll_ready`](Self::acquire_in_poll_ready), or your own.
 ///
-/// Every builder method works in any order and on every flavour.
+/// Every builder method works in any order and on every flavor.
 ///
 /// # Example
 ///
@@ -64,11 +64,11 @@ use crate::{Priority, Semaphore};
 #[derive(Debug, Clone)]
 #[must_use = "a layer does nothing until it wraps a service"]
 pub struct DistributedConcurrencyLimitLayer<Flavor = Plain, Admission = Semaphore> {
-    limiter: Limiter<Admission>,
-    flavour: Flavor,
+    gatekeeper: Gatekeeper<Admission>,
+    flavor: Flavor,
 }
 
-/// [`DistributedConcurrencyLimitLayer`] in its HTTP flavour, made by
+/// [`DistributedConcurrencyLimitLayer`] in its HTTP flavor, made by
 /// [`http`](DistributedConcurrencyLimitLayer::http): refusals are answered with a response,
 /// and the permit lives until the response body ends.
 ///
@@ -141,17 +141,15 @@ impl<Admission> DistributedConcurrencyLimitLayer<Plain, Admission> {
     /// ```
     pub fn admitting(admission: Admission) -> Self {
         DistributedConcurrencyLimitLayer {
-            limiter: Limiter {
+            gatekeeper: Gatekeeper {
                 admit: admission,
                 wait: true,
                 abort_on_lost: false,
-                reserve: None,
-                spares: Spares::default(),
                 rate: None,
                 rate_exempt: None,
                 overloaded: ANY_ERROR,
             },
-            flavour: Plain,
+            flavor: Plain,
         }
     }
 
@@ -171,7 +169,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Plain, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn overloaded_when(mut self, overloaded: fn(&BoxError) -> bool) -> Self {
-        self.limiter.overloaded = overloaded;
+        self.gatekeeper.overloaded = overloaded;
         self
     }
 }
@@ -179,7 +177,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Plain, Admission> {
 impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// Refuse a request at once when no permit is free, instead of waiting up to the
     /// semaphore's acquire timeout. The refusal is an [`Error::Full`](crate::Error::Full)
-    /// (503 in the HTTP flavour, `RESOURCE_EXHAUSTED` in the gRPC one).
+    /// (503 in the HTTP flavor, `RESOURCE_EXHAUSTED` in the gRPC one).
     ///
     /// ```
     /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Semaphore};
@@ -189,7 +187,7 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn reject_when_full(mut self) -> Self {
-        self.limiter.wait = false;
+        self.gatekeeper.wait = false;
         self
     }
 
@@ -204,13 +202,13 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn wait_when_full(mut self) -> Self {
-        self.limiter.wait = true;
+        self.gatekeeper.wait = true;
         self
     }
 
     /// Abort a request whose permit's lease is lost before its response is ready: the inner
     /// future is dropped and the request fails with [`Error::LeaseLost`](crate::Error::LeaseLost)
-    /// (answered like a refusal in the HTTP flavour). Off by default: leases are
+    /// (answered like a refusal in the HTTP flavor). Off by default: leases are
     /// renewed while the request runs, so a lease is only lost when Redis cannot be reached
     /// for a whole lease or the process was paused, and the fencing token already protects a
     /// resource that checks it; turn it on when running past a lost lease is worse than
@@ -224,14 +222,14 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn abort_when_lease_lost(mut self) -> Self {
-        self.limiter.abort_on_lost = true;
+        self.gatekeeper.abort_on_lost = true;
         self
     }
 
     /// Also cap how many requests *start* per period: each request needs a permit and its
     /// weight of `rate`, all or nothing. A request refused for concurrency spends no rate; one
     /// refused for rate keeps no permit and gets [`Error::RateLimited`](crate::Error::RateLimited)
-    /// (429 with `Retry-After` in the HTTP flavour, `RESOURCE_EXHAUSTED` in the gRPC one).
+    /// (429 with `Retry-After` in the HTTP flavor, `RESOURCE_EXHAUSTED` in the gRPC one).
     ///
     /// When the semaphore and the limiter live on the same [`RedisBackend`](crate::RedisBackend)
     /// (one node, Sentinel's master, or the same Cluster slot: give both the same name), a
@@ -268,7 +266,7 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// # Ok(()) }
     /// ```
     pub fn rate_limit(mut self, rate: crate::RateLimiter) -> Self {
-        self.limiter.rate = Some(rate);
+        self.gatekeeper.rate = Some(rate);
         self
     }
 
@@ -308,11 +306,11 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// # Ok(()) }
     /// ```
     pub fn rate_limit_exempt(mut self, class: Priority) -> Self {
-        self.limiter.rate_exempt = Some(class);
+        self.gatekeeper.rate_exempt = Some(class);
         self
     }
 
-    /// The HTTP flavour: the layer answers a refused request itself, the permit is held until
+    /// The HTTP flavor: the layer answers a refused request itself, the permit is held until
     /// the response body ends, and the handler also finds the
     /// [`FencingToken`](super::FencingToken) in the request's extensions. Callable before or
     /// after any other builder method; on a `grpc` layer it switches back to HTTP answers,
@@ -358,15 +356,15 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     where
         Flavor: Into<Http>,
     {
-        let mut flavour: Http = self.flavour.into();
-        flavour.settings_mut().answer = super::http::Answer::Http;
+        let mut flavor: Http = self.flavor.into();
+        flavor.settings_mut().answer = super::http::Answer::Http;
         DistributedConcurrencyLimitLayer {
-            limiter: self.limiter,
-            flavour,
+            gatekeeper: self.gatekeeper,
+            flavor,
         }
     }
 
-    /// The gRPC flavour, for tonic servers and clients: a refused request is answered with a
+    /// The gRPC flavor, for tonic servers and clients: a refused request is answered with a
     /// gRPC status in a trailers-only response (HTTP 200, `grpc-status`, `grpc-message`,
     /// `x-dlimit-refusal`): `RESOURCE_EXHAUSTED` when no permit came free (full, timeout, too
     /// many waiters) or the rate limit was reached, each with its own message; `UNAVAILABLE`
@@ -392,7 +390,7 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
         Flavor: Into<Http>,
     {
         let mut layer = self.http();
-        layer.flavour.settings_mut().answer = super::http::Answer::Grpc;
+        layer.flavor.settings_mut().answer = super::http::Answer::Grpc;
         layer
     }
 }
@@ -400,7 +398,7 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
 impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admission> {
     /// A request takes `weight(&request)` permits, as one holder (a batch of 8 images takes 8
     /// slots of a GPU limited to 20). A weight of 0 or above the limit is refused at once,
-    /// never waited for: [`Error::Config`](crate::Error::Config) in the generic flavour, 500
+    /// never waited for: [`Error::Config`](crate::Error::Config) in the generic flavor, 500
     /// in the HTTP one, `INVALID_ARGUMENT` in the gRPC one.
     ///
     /// Not available with [`acquire_in_poll_ready`](Self::acquire_in_poll_ready): `poll_ready`
@@ -429,8 +427,8 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
         G: Fn(&R) -> u32,
     {
         DistributedConcurrencyLimitLayer {
-            limiter: self.limiter.map(|admit| Weighted::new(admit, weight)),
-            flavour: self.flavour,
+            gatekeeper: self.gatekeeper.map(|admit| Weighted::new(admit, weight)),
+            flavor: self.flavor,
         }
     }
 }
@@ -472,8 +470,10 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
         P: Fn(&R) -> Priority,
     {
         DistributedConcurrencyLimitLayer {
-            limiter: self.limiter.map(|admit| Prioritized::new(admit, priority)),
-            flavour: self.flavour,
+            gatekeeper: self
+                .gatekeeper
+                .map(|admit| Prioritized::new(admit, priority)),
+            flavor: self.flavor,
         }
     }
 
@@ -510,8 +510,8 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
         K: Fn(&R) -> Option<String>,
     {
         DistributedConcurrencyLimitLayer {
-            limiter: self.limiter.map(|admit| Tenanted::new(admit, tenant)),
-            flavour: self.flavour,
+            gatekeeper: self.gatekeeper.map(|admit| Tenanted::new(admit, tenant)),
+            flavor: self.flavor,
         }
     }
 
@@ -537,10 +537,10 @@ impl<Flavor, Admission: Weighable> DistributedConcurrencyLimitLayer<Flavor, Admi
         name: http::HeaderName,
     ) -> DistributedConcurrencyLimitLayer<Flavor, Tenanted<Admission, HeaderKey>> {
         DistributedConcurrencyLimitLayer {
-            limiter: self
-                .limiter
+            gatekeeper: self
+                .gatekeeper
                 .map(|admit| Tenanted::new(admit, HeaderKey(name))),
-            flavour: self.flavour,
+            flavor: self.flavor,
         }
     }
 }
@@ -598,12 +598,16 @@ impl<Flavor> DistributedConcurrencyLimitLayer<Flavor, Semaphore> {
     /// # Ok(()) }
     /// ```
     pub fn acquire_in_poll_ready(self) -> DistributedConcurrencyLimitLayer<Flavor, InPollReady> {
-        let mut limiter = self.limiter.map(InPollReady);
-        limiter.spares = Spares::new(&limiter.admit.0);
-        limiter.reserve = Some(limiter.admit.0.clone());
+        let gatekeeper = self.gatekeeper.map(|semaphore| {
+            let spares = Spares::new(&semaphore);
+            // The first spare is taken now (on a runtime), so the first request need not be
+            // shed.
+            spares.warm();
+            InPollReady { semaphore, spares }
+        });
         DistributedConcurrencyLimitLayer {
-            limiter,
-            flavour: self.flavour,
+            gatekeeper,
+            flavor: self.flavor,
         }
     }
 }
@@ -624,7 +628,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn status(mut self, status: StatusCode) -> Self {
-        self.flavour.settings_mut().status = Some(status);
+        self.flavor.settings_mut().status = Some(status);
         self
     }
 
@@ -640,7 +644,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn body(mut self, body: impl Into<Bytes>) -> Self {
-        self.flavour.settings_mut().body = Some(body.into());
+        self.flavor.settings_mut().body = Some(body.into());
         self
     }
 
@@ -656,7 +660,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn retry_after(mut self, after: Option<Duration>) -> Self {
-        self.flavour.settings_mut().retry_after = after;
+        self.flavor.settings_mut().retry_after = after;
         self
     }
 
@@ -671,7 +675,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn release_at_head(mut self) -> Self {
-        self.flavour.settings_mut().hold_until_body_end = false;
+        self.flavor.settings_mut().hold_until_body_end = false;
         self
     }
 
@@ -693,7 +697,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn overloaded_when(mut self, overloaded: fn(StatusCode) -> bool) -> Self {
-        self.flavour.settings_mut().overloaded = overloaded;
+        self.flavor.settings_mut().overloaded = overloaded;
         self
     }
 
@@ -709,14 +713,14 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// # let _ = layer;
     /// ```
     pub fn ratelimit_policy_header(mut self) -> Self {
-        self.flavour.settings_mut().policy_header = true;
+        self.flavor.settings_mut().policy_header = true;
         self
     }
 
     /// Builds the answer to every refusal: `hook` gets the [`Error`](crate::Error) and returns
     /// the response to send, or `None` for the layer's own (see
     /// [`http`](DistributedConcurrencyLimitLayer::http)). Its response is sent as is (plus
-    /// `RateLimit-Policy` if asked for), in the HTTP and the gRPC flavour alike. The error's
+    /// `RateLimit-Policy` if asked for), in the HTTP and the gRPC flavor alike. The error's
     /// `Display` carries advice for operators; build client-facing text from its variant.
     ///
     /// ```
@@ -756,7 +760,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     where
         H: Fn(&crate::Error) -> Option<http::Response<Bytes>> + Send + Sync + 'static,
     {
-        self.flavour.settings_mut().on_refusal = Some(super::http::OnRefusal(Arc::new(hook)));
+        self.flavor.settings_mut().on_refusal = Some(super::http::OnRefusal(Arc::new(hook)));
         self
     }
 }
@@ -769,6 +773,6 @@ where
     type Service = DistributedConcurrencyLimit<S, Flavor, Admission>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        DistributedConcurrencyLimit::new(inner, self.limiter.clone(), self.flavour.clone())
+        DistributedConcurrencyLimit::new(inner, self.gatekeeper.clone(), self.flavor.clone())
     }
 }

@@ -2,7 +2,7 @@
 //! instance of a service, shared through the semaphore's backend.
 //!
 //! Both layers, this one and the rate layer ([`rate`](crate::rate)), are one middleware core
-//! with two policies, as tower's `limit::{concurrency, rate}` are: the same flavours
+//! with two policies, as tower's `limit::{concurrency, rate}` are: the same flavors
 //! ([`Plain`], [`Http`]), refusal answers and headers, key extractors ([`PartitionKey`],
 //! [`HeaderKey`]), weights ([`Weigh`]) and response futures ([`future`]). What differs is what
 //! a request waits for: a permit here (decided per request by an [`Admit`]), its rate there.
@@ -10,7 +10,7 @@
 //! [`DistributedConcurrencyLimitLayer`] wraps any tower service, whatever its request type (a
 //! job runner, a database client, an axum `Router`, a tonic `Channel`). Each request takes
 //! [`Permit`](crate::Permit)s before the inner service sees it and gives them back when its
-//! response is done. Flavours, chosen by builder methods in any order:
+//! response is done. Flavors, chosen by builder methods in any order:
 //!
 //! - **generic** ([`Plain`], the default): a request that gets no permit fails with a
 //!   [`tower::BoxError`] that downcasts to [`Error`](crate::Error), so it composes with
@@ -21,7 +21,7 @@
 //!   503 body for an outage, 429, 400...; `x-dlimit-refusal` names the kind), the permit rides in
 //!   the response body until its last byte, and the token is also a request extension, so one
 //!   line on an axum `Router` is enough.
-//! - **gRPC** (`grpc`, feature `tonic`): the HTTP flavour answering with gRPC statuses, for
+//! - **gRPC** (`grpc`, feature `tonic`): the HTTP flavor answering with gRPC statuses, for
 //!   tonic servers and clients.
 //!
 //! Requests take one permit each unless [`weight_by`](DistributedConcurrencyLimitLayer::weight_by)
@@ -73,33 +73,33 @@
 //! ```
 #![allow(clippy::module_inception)] // `layer::layer`, as in tower's `limit::concurrency`
 
+mod acquire;
 mod admit;
 pub mod body;
 mod cache;
 #[cfg(feature = "axum")]
 mod extract;
-mod flavour;
+mod flavor;
 pub mod future;
-mod gate;
+pub(crate) mod gate;
+pub(crate) mod gatekeeper;
 #[cfg(feature = "tonic")]
 pub(crate) mod grpc;
-mod headers;
+pub(crate) mod headers;
 pub(crate) mod http;
 mod key;
 mod layer;
-pub(crate) mod limiter;
 mod partitions;
 pub(crate) mod refusal;
-mod refused;
 mod reserve;
 mod service;
 mod spares;
-mod token;
+pub(crate) mod token;
 
 pub use self::admit::{
     Admit, InPollReady, Prioritized, Tenanted, Unweighted, Weigh, Weighable, Weighted,
 };
-pub use self::flavour::{Accepts, Http, Plain};
+pub use self::flavor::{Accepts, Http, Plain};
 pub use self::headers::{CLASS_HEADER, RATELIMIT, RATELIMIT_POLICY, REFUSAL_HEADER};
 pub use self::key::{HeaderKey, PartitionKey, Unkeyed};
 pub use self::layer::{DistributedConcurrencyLimitLayer, HttpConcurrencyLimitLayer};

@@ -20,7 +20,7 @@ type BuildFn = dyn Fn(SemaphoreBuilder) -> Result<Semaphore, Error> + Send + Syn
 /// What a partitioned layer does with a request that carries no key.
 #[derive(Debug, Clone, Default)]
 pub enum WithoutKey {
-    /// Refuse it: 400 Bad Request in the HTTP flavour, `INVALID_ARGUMENT` in the gRPC one,
+    /// Refuse it: 400 Bad Request in the HTTP flavor, `INVALID_ARGUMENT` in the gRPC one,
     /// [`Error::BadKey`] otherwise (default).
     #[default]
     Reject,

@@ -1,5 +1,8 @@
-//! The kinds of refusal both layers answer, each with its own status, client-facing sentence,
-//! `x-dlimit-refusal` and `Retry-After`, in HTTP; the gRPC answer maps them to codes.
+//! A request refused before the inner service saw it, in either layer ([`Refused`]), the
+//! limit behind the refusal ([`RefusedBy`], for the `RateLimit` headers and `x-dlimit-class`
+//! of an HTTP answer), and the kinds of refusal both layers answer ([`Refusal`]), each with its
+//! own status, client-facing sentence, `x-dlimit-refusal` and `Retry-After` in HTTP; the gRPC
+//! answer maps them to codes.
 
 use std::time::Duration;
 
@@ -8,10 +11,45 @@ use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use super::headers::{REFUSAL_HEADER, retry_after_secs};
-use crate::Error;
+use crate::rate::Decided;
+use crate::{Error, Priority};
+
+/// A request refused before the inner service saw it, and what its answer reports of the
+/// limit that refused it.
+pub struct Refused {
+    pub(crate) error: Error,
+    pub(crate) by: RefusedBy,
+}
+
+/// The limit behind a refusal.
+pub(crate) enum RefusedBy {
+    /// None to report (a bad key, a lease lost).
+    Nothing,
+    /// The semaphore the request asked of.
+    Semaphore(Asked),
+    /// The rate limiter, and what it decided.
+    Rate(Decided),
+}
+
+/// What a request asked of its semaphore: that semaphore's limit (for `RateLimit-Policy`)
+/// and the request's class (for `x-dlimit-class`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Asked {
+    pub(crate) limit: u32,
+    pub(crate) class: Priority,
+}
+
+impl From<Error> for Refused {
+    fn from(error: Error) -> Self {
+        Refused {
+            error,
+            by: RefusedBy::Nothing,
+        }
+    }
+}
 
 /// The kinds of refusal, one per answer: what a client is told, in both layers and every
-/// flavour. The sentences are for clients: short, neutral, no advice to operators (that goes
+/// flavor. The sentences are for clients: short, neutral, no advice to operators (that goes
 /// to the log, with the error itself).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refusal {

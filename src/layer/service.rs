@@ -1,4 +1,4 @@
-//! The service the layer builds, one per flavour: pick the semaphore (or take the permit
+//! The service the layer builds, one per flavor: pick the semaphore (or take the permit
 //! reserved in `poll_ready`), move the ready inner service into the future.
 
 use std::task::{Context, Poll, ready};
@@ -6,11 +6,11 @@ use std::task::{Context, Poll, ready};
 use http::{Request, Response};
 use tower::{BoxError, Service};
 
-use super::admit::Admit;
-use super::flavour::{Http, Plain};
+use super::acquire::AcquirePermit;
+use super::admit::{Admit, sealed::Private};
+use super::flavor::{Http, Plain};
 use super::future::{HttpResponseFuture, Limited, ResponseFuture, Stamp, extension, unstamped};
-use super::gate::AcquirePermit;
-use super::limiter::Limiter;
+use super::gatekeeper::Gatekeeper;
 use super::reserve::Reservation;
 use super::spares::Spares;
 use crate::{Priority, Semaphore};
@@ -21,7 +21,7 @@ use crate::{Priority, Semaphore};
 /// The type parameters are the layer's: the `Flavor` ([`Plain`] or [`Http`]) and the
 /// `Admission` ([`Admit`]: a [`Semaphore`], [`Partitions`](super::Partitions), ...).
 ///
-/// In the generic flavour, refusals are [`BoxError`]s that downcast to
+/// In the generic flavor, refusals are [`BoxError`]s that downcast to
 /// [`Error`](crate::Error): [`Error::Full`](crate::Error::Full) when the layer does not wait,
 /// [`Error::Timeout`](crate::Error::Timeout) when a wait ran out,
 /// [`Error::Backend`](crate::Error::Backend) when the backend failed,
@@ -48,12 +48,12 @@ use crate::{Priority, Semaphore};
 #[derive(Debug, Clone)]
 pub struct DistributedConcurrencyLimit<S, Flavor = Plain, Admission = Semaphore> {
     inner: S,
-    limiter: Limiter<Admission>,
-    flavour: Flavor,
+    gatekeeper: Gatekeeper<Admission>,
+    flavor: Flavor,
     reservation: Reservation,
 }
 
-/// The HTTP flavour of [`DistributedConcurrencyLimit`]: a refused request is answered by the
+/// The HTTP flavor of [`DistributedConcurrencyLimit`]: a refused request is answered by the
 /// service itself (503 and `Retry-After` by default, a gRPC status for `grpc`) and the permit
 /// is held until the response body ends; made by
 /// [`HttpConcurrencyLimitLayer`](super::HttpConcurrencyLimitLayer).
@@ -85,19 +85,12 @@ pub type HttpConcurrencyLimit<S, Admission = Semaphore> =
     DistributedConcurrencyLimit<S, Http, Admission>;
 
 impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
-    pub(crate) fn new(inner: S, limiter: Limiter<Admission>, flavour: Flavor) -> Self {
-        // No spares with a rate limit: a spare would spend rate for a request that may never
-        // come.
-        let spares = match limiter.rate_for(Priority::NORMAL) {
-            None => limiter.spares.clone(),
-            Some(_) => Spares::default(),
-        };
-        spares.warm();
+    pub(crate) fn new(inner: S, gatekeeper: Gatekeeper<Admission>, flavor: Flavor) -> Self {
         DistributedConcurrencyLimit {
             inner,
-            limiter,
-            flavour,
-            reservation: Reservation::new(spares),
+            gatekeeper,
+            flavor,
+            reservation: Reservation::default(),
         }
     }
 
@@ -121,12 +114,24 @@ impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
     fn poll_ready_with<R>(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>>
     where
         S: Service<R>,
+        Admission: Admit<R>,
     {
-        if let Some(semaphore) = &self.limiter.reserve {
+        let gatekeeper = &self.gatekeeper;
+        if let Some(reserve) = gatekeeper.admit.reserves(Private) {
+            let rate = gatekeeper.rate_for(Priority::NORMAL);
+            // No spares with a rate limit: a spare would spend rate for a request that may
+            // never come.
+            let none = Spares::default();
+            let spares = if rate.is_none() {
+                &reserve.spares
+            } else {
+                &none
+            };
             ready!(self.reservation.poll_reserve(
-                semaphore,
-                self.limiter.wait,
-                self.limiter.rate_for(Priority::NORMAL).as_ref(),
+                &reserve.semaphore,
+                spares,
+                gatekeeper.wait,
+                rate.as_ref(),
                 cx
             ));
         }
@@ -140,11 +145,10 @@ impl<S, Flavor, Admission> DistributedConcurrencyLimit<S, Flavor, Admission> {
         S: Service<R> + Clone,
         Admission: Admit<R>,
     {
-        let (acquire, limit, rate) = self.limiter.admit(&request, self.reservation.take());
-        let admitted = AcquirePermit::new(acquire, limit, rate);
+        let gate = self.gatekeeper.admit(&request, self.reservation.take());
         let fresh = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, fresh);
-        Limited::new(admitted, ready, request, self.limiter.abort_on_lost, stamp)
+        Limited::new(gate, ready, request, self.gatekeeper.abort_on_lost, stamp)
     }
 }
 
@@ -163,7 +167,7 @@ where
     }
 
     fn call(&mut self, request: R) -> Self::Future {
-        let overloaded = self.limiter.overloaded;
+        let overloaded = self.gatekeeper.overloaded;
         ResponseFuture::new(self.start(request, unstamped), overloaded)
     }
 }
@@ -185,7 +189,7 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let settings = self.flavour.settings.clone();
+        let settings = self.flavor.settings.clone();
         HttpResponseFuture::new(self.start(request, extension), settings)
     }
 }

@@ -1,7 +1,7 @@
 //! The spares every service of one layer shares, for
 //! [`acquire_in_poll_ready`](super::DistributedConcurrencyLimitLayer::acquire_in_poll_ready),
-//! so that `poll_ready` is ready at once; and [`Held`], a request's permit, which goes back to
-//! the spares it was lent by.
+//! so that `poll_ready` is ready at once. A permit they lend goes back to them ([`Home`]) when
+//! its request's [`PermitPass`](super::acquire::PermitPass) is dropped.
 //!
 //! On Redis an acquire is a round trip, so a `poll_ready` that starts one returns `Pending`,
 //! and `LoadShed` sheds the request although the semaphore has room. So the services one
@@ -29,113 +29,37 @@
 //! permit. Background work is spawned only on a tokio runtime that exists: without one a
 //! permit is released as usual and no spare is taken ahead.
 
-use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
 
-use crate::backend::RateDecision;
 use crate::sync::lock;
-use crate::{Permit, RateLimiter, Semaphore};
+use crate::{Permit, Semaphore};
 
 /// How long after it was taken a permit may serve further requests or wait as a spare.
 const KEEP: Duration = Duration::from_secs(1);
 /// The most spares one service holds, whatever its limit.
 const MOST_SPARES: u32 = 8;
 
-/// A request's permit. One lent by a service's [`Spares`] goes back to them when dropped, if
-/// they still want it; any other is released as usual.
-pub struct Held {
-    /// Always `Some` until dropped.
-    permit: Option<Permit>,
-    home: Option<Home>,
-    /// The rate limit decided with it (the layer's `rate_limit`), for the `RateLimit` headers.
-    rated_by: Option<RateLimiter>,
-}
-
 /// Where a lent permit goes back to, and when it was taken from the backend.
-struct Home {
-    pool: Weak<Pool>,
+pub(crate) struct Home {
+    pool: Weak<SparePool>,
     taken: Instant,
 }
 
-impl std::fmt::Debug for Held {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Held")
-            .field("permit", &self.permit)
-            .field("lent", &self.home.is_some())
-            .finish()
-    }
-}
-
-impl From<Permit> for Held {
-    fn from(permit: Permit) -> Self {
-        Held {
-            permit: Some(permit),
-            home: None,
-            rated_by: None,
-        }
-    }
-}
-
-impl Held {
-    /// This service's own permit, lent by `pool` from now on, so it goes back there.
-    fn lent_by(mut self, pool: &Arc<Pool>) -> Held {
-        match self.permit.take() {
-            Some(permit) => pool.lend(&mut lock(&pool.state), permit, Instant::now()),
-            None => self,
-        }
-    }
-
-    /// The permit also spent `limiter`'s rate.
-    pub(crate) fn rated_by(mut self, limiter: RateLimiter) -> Held {
-        self.rated_by = Some(limiter);
-        self
-    }
-
-    /// The rate limit decided with the permit, and what it decided.
-    pub(crate) fn rate(&self) -> Option<(&RateLimiter, &RateDecision)> {
-        Some((self.rated_by.as_ref()?, self.permit.as_ref()?.rate()?))
-    }
-
-    pub(crate) fn fencing_token(&self) -> u64 {
-        self.permit.as_ref().map_or(0, Permit::fencing_token)
-    }
-
-    /// Marks the request behind the permit as overloaded (see [`Permit::overloaded`]).
-    pub(crate) fn overloaded(&self) {
-        if let Some(permit) = &self.permit {
-            permit.overloaded();
-        }
-    }
-
-    /// Resolves when the lease is lost.
-    pub(crate) fn lost_signal(&self) -> impl Future<Output = ()> + Send + 'static {
-        let lost = self.permit.as_ref().map(Permit::lost_signal);
-        async move {
-            match lost {
-                Some(lost) => lost.await,
-                None => std::future::pending().await,
-            }
-        }
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        let (Some(permit), Some(home)) = (self.permit.take(), self.home.take()) else {
-            return;
-        };
-        if let Some(pool) = home.pool.upgrade() {
-            pool.give_back(permit, home.taken);
+impl Home {
+    /// `permit`, lent from here, is back: kept as a spare if wanted, else released.
+    pub(crate) fn give_back(self, permit: Permit) {
+        if let Some(pool) = self.pool.upgrade() {
+            pool.give_back(permit, self.taken);
         }
     }
 }
 
 /// The spares of one service and its clones; see the [module docs](self).
-struct Pool {
+struct SparePool {
     semaphore: Semaphore,
     /// The most spares wanted at once.
     cap: usize,
@@ -165,13 +89,13 @@ struct Spare {
     taken: Instant,
 }
 
-impl Pool {
+impl SparePool {
     /// Takes a spare, lent to the caller, or registers `waker` for the next one and starts
     /// the background acquires now wanted.
     fn take(self: &Arc<Self>, waker: &Waker) -> Take {
         let mut state = lock(&self.state);
         if let Some(spare) = state.ready.pop() {
-            return Take::Spare(self.lend(&mut state, spare.permit, spare.taken));
+            return Take::Spare((spare.permit, self.lend(&mut state, spare.taken)));
         }
         if !state.waiting.iter().any(|w| w.will_wake(waker)) {
             state.waiting.push(waker.clone());
@@ -190,17 +114,13 @@ impl Pool {
         take
     }
 
-    /// `permit`, taken at `taken`, lent to a request.
-    fn lend(self: &Arc<Self>, state: &mut State, permit: Permit, taken: Instant) -> Held {
+    /// A permit taken at `taken` lent to a request: where it goes back to.
+    fn lend(self: &Arc<Self>, state: &mut State, taken: Instant) -> Home {
         state.lent += 1;
         state.peak = state.peak.max(state.lent);
-        Held {
-            permit: Some(permit),
-            home: Some(Home {
-                pool: Arc::downgrade(self),
-                taken,
-            }),
-            rated_by: None,
+        Home {
+            pool: Arc::downgrade(self),
+            taken,
         }
     }
 
@@ -360,7 +280,7 @@ fn wake_all(state: &mut State) {
 /// What a service found in the spares.
 pub(crate) enum Take {
     /// One, lent to it.
-    Spare(Held),
+    Spare((Permit, Home)),
     /// None, but a background acquire is under way.
     Filling,
     /// None.
@@ -368,7 +288,7 @@ pub(crate) enum Take {
 }
 
 /// Every [`KEEP`], while its pool lives and holds spares.
-async fn sweeper(pool: Weak<Pool>) {
+async fn sweeper(pool: Weak<SparePool>) {
     loop {
         tokio::time::sleep(KEEP).await;
         match pool.upgrade() {
@@ -380,7 +300,7 @@ async fn sweeper(pool: Weak<Pool>) {
 
 /// One background acquire, counted in `filling` until it settles or is dropped.
 struct Filling {
-    pool: Weak<Pool>,
+    pool: Weak<SparePool>,
     swap: bool,
     settled: bool,
 }
@@ -422,7 +342,7 @@ impl Drop for Filling {
 /// (every method of every route, and the fallback) in a service of its own, and a pool per
 /// service would hold a slot ahead for each of them.
 #[derive(Clone, Default)]
-pub(crate) struct Spares(Option<Arc<Pool>>);
+pub(crate) struct Spares(Option<Arc<SparePool>>);
 
 impl std::fmt::Debug for Spares {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -438,7 +358,7 @@ impl Spares {
         if cap == 0 {
             return Spares(None);
         }
-        Spares(Some(Arc::new(Pool {
+        Spares(Some(Arc::new(SparePool {
             semaphore: semaphore.clone(),
             cap,
             state: Mutex::new(State {
@@ -469,15 +389,10 @@ impl Spares {
         Some(self.0.as_ref()?.take(cx.waker()))
     }
 
-    /// `permit`, the service's own, lent by the spares from now on.
-    pub(crate) fn lend(&self, permit: Held) -> Held {
-        match &self.0 {
-            Some(pool) => permit.lent_by(pool),
-            None => permit,
-        }
-    }
-
-    pub(crate) fn is_some(&self) -> bool {
-        self.0.is_some()
+    /// A permit the service took itself, lent by the spares from now on: where it goes back
+    /// to. `None` without spares.
+    pub(crate) fn lend(&self) -> Option<Home> {
+        let pool = self.0.as_ref()?;
+        Some(pool.lend(&mut lock(&pool.state), Instant::now()))
     }
 }

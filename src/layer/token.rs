@@ -17,7 +17,7 @@ tokio::task_local! {
 ///   and while its response future is polled (the layer polls it), as a task-local value.
 ///   Work on other tasks does not see it (a task the service spawns, or a `Buffer`'s worker
 ///   between the layer and the service): read it in `call` and pass it along.
-/// - **HTTP and gRPC flavours** (`.http()`, `.grpc()`): also a request extension, so an axum
+/// - **HTTP and gRPC flavors** (`.http()`, `.grpc()`): also a request extension, so an axum
 ///   handler takes it as an extractor: `Extension<FencingToken>` always, and `FencingToken`
 ///   itself with this crate's **`axum` feature** (`features = ["axum"]`). Without the
 ///   feature, a handler taking `FencingToken` fails to compile with axum's opaque

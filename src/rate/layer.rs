@@ -1,5 +1,5 @@
 //! The rate-limit layer and its builder methods: one GCRA check per request before the inner
-//! service sees it, for any request type, on the concurrency layer's core (flavours, keys,
+//! service sees it, for any request type, on the concurrency layer's core (flavors, keys,
 //! refusal answers and response futures).
 
 use std::sync::Arc;
@@ -17,17 +17,17 @@ use crate::layer::{Accepts, HeaderKey, Http, Plain, Unkeyed, Unweighted};
 /// [`RateLimiter`]: each request is one GCRA check (one script call) before the inner service
 /// sees it. It wraps a service of any request type.
 ///
-/// Flavours, as for [`DistributedConcurrencyLimitLayer`](crate::DistributedConcurrencyLimitLayer):
+/// Flavors, as for [`DistributedConcurrencyLimitLayer`](crate::DistributedConcurrencyLimitLayer):
 /// generic ([`Plain`], the default: a refusal is a [`BoxError`](tower::BoxError) that downcasts to
 /// [`Error::RateLimited`](crate::Error::RateLimited)), [`http`](Self::http) (429 Too Many Requests with `Retry-After` and
 /// the IETF `RateLimit` / `RateLimit-Policy` headers, also on allowed responses), and `grpc`
-/// (feature `tonic`: `RESOURCE_EXHAUSTED`): the same flavour types, answers and headers as the
+/// (feature `tonic`: `RESOURCE_EXHAUSTED`): the same flavor types, answers and headers as the
 /// concurrency layer's. [`weight_by`](Self::weight_by) sets a request's
 /// cost; [`key_by`](Self::key_by) / [`key_header`](Self::key_header) give each key its own
 /// rate (nothing is kept per key in this process).
 ///
 /// A failing backend is decided by the limiter's [`OutagePolicy`](crate::OutagePolicy); when
-/// it refuses, the generic flavour fails with [`Error::Backend`](crate::Error::Backend) and the HTTP one answers 503.
+/// it refuses, the generic flavor fails with [`Error::Backend`](crate::Error::Backend) and the HTTP one answers 503.
 ///
 /// To cap both how many start and how many run at once, prefer
 /// [`DistributedConcurrencyLimitLayer::rate_limit`](crate::DistributedConcurrencyLimitLayer::rate_limit):
@@ -77,7 +77,7 @@ impl DistributedRateLimitLayer {
                 limiter,
                 key: Unkeyed,
                 cost: Unweighted,
-                flavour: Plain,
+                flavor: Plain,
             }),
         }
     }
@@ -97,7 +97,7 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
 
     /// A request's cost: how much of the rate it spends (1 ..= the burst; a cost of 0 or above
     /// the burst is refused with [`Error::Config`](crate::Error::Config), 500 in the HTTP
-    /// flavour). The same closure as the concurrency layer's
+    /// flavor). The same closure as the concurrency layer's
     /// [`weight_by`](crate::DistributedConcurrencyLimitLayer::weight_by).
     ///
     /// ```
@@ -117,13 +117,13 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
             limiter: s.limiter,
             key: s.key,
             cost,
-            flavour: s.flavour,
+            flavor: s.flavor,
         })
     }
 
     /// Each key (a tenant, an API key) gets the limiter's rate and burst of its own; a request
     /// whose key is `None` counts against the limiter itself. An empty key or one over 256
-    /// bytes is refused with [`Error::BadKey`](crate::Error::BadKey) (400 in the HTTP flavour).
+    /// bytes is refused with [`Error::BadKey`](crate::Error::BadKey) (400 in the HTTP flavor).
     ///
     /// ```
     /// use std::time::Duration;
@@ -143,7 +143,7 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
             limiter: s.limiter,
             key,
             cost: s.cost,
-            flavour: s.flavour,
+            flavor: s.flavor,
         })
     }
 
@@ -167,11 +167,11 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
             limiter: s.limiter,
             key: HeaderKey(name),
             cost: s.cost,
-            flavour: s.flavour,
+            flavor: s.flavor,
         })
     }
 
-    /// The HTTP flavour: a refused request is answered 429 Too Many Requests with
+    /// The HTTP flavor: a refused request is answered 429 Too Many Requests with
     /// `Retry-After` (whole seconds, rounded up) and `RateLimit` / `RateLimit-Policy`
     /// headers; allowed responses carry the two `RateLimit` headers too. A failing backend
     /// whose outage policy refuses is answered 503 (`x-dlimit-refusal: outage`).
@@ -200,20 +200,20 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
         Flavor: Into<Http>,
     {
         self.map(|s| {
-            let mut flavour: Http = s.flavour.into();
-            let settings = flavour.settings_mut();
+            let mut flavor: Http = s.flavor.into();
+            let settings = flavor.settings_mut();
             settings.answer = crate::layer::http::Answer::Http;
             settings.customized = |refusal| refusal == Refusal::RateLimited;
             Shared {
                 limiter: s.limiter,
                 key: s.key,
                 cost: s.cost,
-                flavour,
+                flavor,
             }
         })
     }
 
-    /// The gRPC flavour (feature `tonic`): a refused request is answered with the status
+    /// The gRPC flavor (feature `tonic`): a refused request is answered with the status
     /// `RESOURCE_EXHAUSTED` (a bad key `INVALID_ARGUMENT`, a failing backend `UNAVAILABLE`).
     ///
     /// ```
@@ -231,7 +231,7 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
         Flavor: Into<Http>,
     {
         self.http().map(|mut s| {
-            s.flavour.settings_mut().answer = crate::layer::http::Answer::Grpc;
+            s.flavor.settings_mut().answer = crate::layer::http::Answer::Grpc;
             s
         })
     }
@@ -251,7 +251,7 @@ impl<Key: Clone, Cost: Clone> DistributedRateLimitLayer<Http, Key, Cost> {
     pub fn body(self, body: impl Into<Bytes>) -> Self {
         let body = body.into();
         self.map(|mut s| {
-            s.flavour.settings_mut().body = Some(body);
+            s.flavor.settings_mut().body = Some(body);
             s
         })
     }
@@ -268,7 +268,7 @@ impl<Key: Clone, Cost: Clone> DistributedRateLimitLayer<Http, Key, Cost> {
     /// ```
     pub fn without_ratelimit_headers(self) -> Self {
         self.map(|mut s| {
-            s.flavour.settings_mut().rate_headers = false;
+            s.flavor.settings_mut().rate_headers = false;
             s
         })
     }

@@ -44,10 +44,10 @@ const MAX_KEY_LEN: usize = 256;
 /// ```
 #[derive(Clone)]
 pub struct RateLimiter {
-    inner: Arc<Core>,
+    inner: Arc<Inner>,
 }
 
-struct Core {
+struct Inner {
     name: String,
     rate: u32,
     period: Duration,
@@ -59,6 +59,14 @@ struct Core {
     outage_decisions: AtomicU64,
     outage_log: OutageLog,
     telemetry: RateTelemetry,
+}
+
+/// What a rate limiter decided for one request, kept with the limiter for the `RateLimit`
+/// headers of its answer.
+#[derive(Debug, Clone)]
+pub(crate) struct Decided {
+    pub(crate) limiter: RateLimiter,
+    pub(crate) decision: RateDecision,
 }
 
 impl std::fmt::Debug for RateLimiter {
@@ -188,7 +196,7 @@ impl RateLimiterBuilder {
         let store = backend.open_rate(name, gcra)?.store;
         let telemetry = RateTelemetry::new(name);
         Ok(RateLimiter {
-            inner: Arc::new(Core {
+            inner: Arc::new(Inner {
                 outage_log: OutageLog::new("rate limiter", &self.name, self.outage),
                 name: self.name,
                 rate,

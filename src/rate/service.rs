@@ -7,21 +7,20 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower::{BoxError, Service};
 
+use super::check::CheckRate;
 use super::limiter::RateLimiter;
-use crate::layer::future::{
-    CheckRate, HttpResponseFuture, Limited, ResponseFuture, Stamp, unstamped,
-};
-use crate::layer::limiter::NO_SIGNAL;
+use crate::layer::future::{HttpResponseFuture, Limited, ResponseFuture, Stamp, unstamped};
+use crate::layer::gatekeeper::NO_SIGNAL;
 use crate::layer::{Http, PartitionKey, Plain, Unkeyed, Unweighted, Weigh};
 
 /// What a layer and its services share: the limiter, where a request's key comes from, what
-/// it costs, and the flavour.
+/// it costs, and the flavor.
 #[derive(Debug, Clone)]
 pub(super) struct Shared<Flavor, Key, Cost> {
     pub(super) limiter: RateLimiter,
     pub(super) key: Key,
     pub(super) cost: Cost,
-    pub(super) flavour: Flavor,
+    pub(super) flavor: Flavor,
 }
 
 /// The service made by [`DistributedRateLimitLayer`](super::DistributedRateLimitLayer): one
@@ -138,7 +137,7 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let settings = self.shared.flavour.settings.clone();
+        let settings = self.shared.flavor.settings.clone();
         HttpResponseFuture::new(self.start(request, unstamped), settings)
     }
 }

@@ -234,7 +234,7 @@ impl SemaphoreBuilder {
     /// slot handed out twice carries the same token twice. Where a resource fences writes by
     /// token, do not prefetch. Its lease is the slot's (renewed while it waited); its hold time
     /// counts from the hand-out. With an [`adaptive`](Self::adaptive) limit, `n` may be at
-    /// most its minimum; each hand-out's hold time (and [`overloaded`](crate::Permit::overloaded))
+    /// most its minimum; each hand-out's hold time (and [`mark_overloaded`](crate::Permit::mark_overloaded))
     /// is a sample as a release's is, sent with the next 50 ms check, and a slot given back
     /// idle is none. A [`QuorumBackend`](crate::QuorumBackend) does not tell of waiters:
     /// nothing is prefetched there.

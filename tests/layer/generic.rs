@@ -1,4 +1,4 @@
-//! Any request type and the generic flavour: cancelled responses, ready services that hold
+//! Any request type and the generic flavor: cancelled responses, ready services that hold
 //! nothing, refusals that downcast to the crate's error, lost leases, job runners, weights and
 //! a 1 ms acquire timeout.
 
@@ -68,7 +68,7 @@ async fn generic_refusals_downcast_to_the_crate_error() {
         .unwrap();
     let server = serve(Router::new().route("/", get(|| async { "ok" }))).await;
     let uri = format!("http://{server}/");
-    // A hyper-util client capped by the layer: generic flavour, BoxError out.
+    // A hyper-util client capped by the layer: generic flavor, BoxError out.
     let limited = |layer: DistributedConcurrencyLimitLayer| {
         ServiceBuilder::new().layer(layer).service(client())
     };
@@ -248,7 +248,7 @@ async fn weight_by_takes_that_many_permits_and_refuses_overweight_at_once() {
     );
     wait_available(&sem, 4).await;
 
-    // The generic flavour reports the overweight request as a configuration error.
+    // The generic flavor reports the overweight request as a configuration error.
     let gpus = runner(
         DistributedConcurrencyLimitLayer::new(sem.clone()).weight_by(|job: &Job| job.gpus),
         &Probe::new(),

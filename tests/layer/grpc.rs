@@ -1,4 +1,4 @@
-//! The gRPC flavour (feature `tonic`): tonic clients and servers see gRPC statuses.
+//! The gRPC flavor (feature `tonic`): tonic clients and servers see gRPC statuses.
 
 use super::*;
 
@@ -143,7 +143,7 @@ async fn tonic_servers_answer_refusals_with_a_grpc_status() {
     drop(held);
 }
 
-/// The combined check in the gRPC flavour: a request over the rate gets `RESOURCE_EXHAUSTED`
+/// The combined check in the gRPC flavor: a request over the rate gets `RESOURCE_EXHAUSTED`
 /// (saying it is the rate limit), through a real tonic server and client.
 #[cfg(feature = "tonic")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
 //! The tower layer over real HTTP on loopback, against a real redis-server where it matters,
-//! one file per feature (as tower's tests are): the HTTP flavour (`http_flavour.rs`), any request type
-//! and the generic flavour (`generic.rs`), partitions (`partitions.rs`), gRPC (`grpc.rs`) and
+//! one file per feature (as tower's tests are): the HTTP flavor (`http_flavor.rs`), any request type
+//! and the generic flavor (`generic.rs`), partitions (`partitions.rs`), gRPC (`grpc.rs`) and
 //! reserving in `poll_ready` (`poll_ready.rs`). The fixtures they share are here.
 
 #[path = "../support/mod.rs"]
@@ -9,7 +9,7 @@ mod support;
 mod generic;
 #[cfg(feature = "tonic")]
 mod grpc;
-mod http_flavour;
+mod http_flavor;
 mod partitions;
 mod poll_ready;
 

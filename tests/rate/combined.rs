@@ -142,7 +142,7 @@ async fn a_request_granted_from_the_line_spends_its_rate_then() {
 }
 
 /// The limiter on another backend than the semaphore: two calls, still all or nothing; the
-/// HTTP flavour answers a rate refusal 429 with `Retry-After`.
+/// HTTP flavor answers a rate refusal 429 with `Retry-After`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_combined_check_across_backends_and_its_http_answer() {
     let redis = Redis::start().await;

@@ -1,5 +1,5 @@
-//! The standalone rate layer, `DistributedRateLimitLayer`: the generic flavour's matchable
-//! refusal, and the HTTP flavour's headers and 429 over real TCP.
+//! The standalone rate layer, `DistributedRateLimitLayer`: the generic flavor's matchable
+//! refusal, and the HTTP flavor's headers and 429 over real TCP.
 
 use super::*;
 
@@ -24,10 +24,10 @@ async fn the_generic_layer_refuses_with_a_matchable_error() {
     );
 }
 
-/// The HTTP flavour over real TCP, on Redis: allowed responses carry the RateLimit headers, a
+/// The HTTP flavor over real TCP, on Redis: allowed responses carry the RateLimit headers, a
 /// refusal is 429 with Retry-After; per-key partitions by header.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_http_flavour_over_tcp() {
+async fn the_http_flavor_over_tcp() {
     let redis = Redis::start().await;
     let rate = limiter("api", 100, Duration::from_secs(1), 2, redis.backend().await);
     let app = axum::Router::new()

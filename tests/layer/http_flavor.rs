@@ -1,4 +1,4 @@
-//! The HTTP flavour: instances sharing a limit, each refusal's answer, the hook, streaming
+//! The HTTP flavor: instances sharing a limit, each refusal's answer, the hook, streaming
 //! bodies that hold their permit, fencing tokens in handlers, the builder in any order.
 
 use super::*;
@@ -412,7 +412,7 @@ async fn fencing_tokens_reach_the_handler_and_increase() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_http_flavour_builds_in_any_order_and_can_name_its_policy() {
+async fn the_http_flavor_builds_in_any_order_and_can_name_its_policy() {
     let sem = semaphore("order", 1, MemoryBackend::new());
     let ok = Router::new().route("/", get(|| async { "ok" }));
     let before = serve(

@@ -1,4 +1,4 @@
-//! The flavours of the layer: how a refusal reaches the caller. They are the first type
+//! The flavors of the layer: how a refusal reaches the caller. They are the first type
 //! parameter of [`DistributedConcurrencyLimitLayer`](super::DistributedConcurrencyLimitLayer)
 //! and its service, so every builder method works in any order.
 
@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::http::HttpSettings;
 
-/// The generic flavour (the default), for a service of any request type: a refusal is a
+/// The generic flavor (the default), for a service of any request type: a refusal is a
 /// [`tower::BoxError`] that downcasts to [`Error`](crate::Error), and the permit is released
 /// when the inner service's response is ready.
 ///
@@ -21,7 +21,7 @@ use super::http::HttpSettings;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Plain;
 
-/// The HTTP flavour, made by [`http`](super::DistributedConcurrencyLimitLayer::http) (or
+/// The HTTP flavor, made by [`http`](super::DistributedConcurrencyLimitLayer::http) (or
 /// `grpc` with the `tonic` feature): a refusal is answered with a response (503 with
 /// `Retry-After` by default; a gRPC status for `grpc`), the permit rides in the response body
 /// until its last byte, and the fencing token is also a request extension.
@@ -52,11 +52,11 @@ impl From<Plain> for Http {
     }
 }
 
-/// The requests a flavour's services take: any type for [`Plain`], an
+/// The requests a flavor's services take: any type for [`Plain`], an
 /// [`http::Request`] for [`Http`]. A bound of the builder methods that take a closure over the
 /// request (`weight_by`, `priority_by`, `tenant_by`, the rate layer's `key_by`), so that on an
 /// HTTP layer the closure's argument needs no type: `.http().priority_by(|req| ..)` reads it as
-/// `&http::Request<_>`. Sealed: implemented by this crate's flavours only.
+/// `&http::Request<_>`. Sealed: implemented by this crate's flavors only.
 ///
 /// ```
 /// use tower_distributed_limit::{DistributedConcurrencyLimitLayer, MemoryBackend, Priority, Semaphore};
@@ -76,7 +76,7 @@ impl<R> Accepts<R> for Plain {}
 impl<B> Accepts<http::Request<B>> for Http {}
 
 mod sealed {
-    /// Only this crate's flavours are [`Accepts`](super::Accepts).
+    /// Only this crate's flavors are [`Accepts`](super::Accepts).
     pub trait Sealed {}
     impl Sealed for super::Plain {}
     impl Sealed for super::Http {}
