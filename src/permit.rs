@@ -293,7 +293,7 @@ impl Permit {
     /// signal, sent with the release, that lowers an
     /// [adaptive limit](crate::SemaphoreBuilder::adaptive) by a tenth (nothing for a fixed
     /// limit). The layer calls it for you, for the answers
-    /// [`overloaded_when`](crate::DistributedConcurrencyLimitLayer::overloaded_when) names.
+    /// [`overloaded_on_error`](crate::DistributedConcurrencyLimitLayer::overloaded_on_error) (or, over HTTP, [`overloaded_on_status`](crate::DistributedConcurrencyLimitLayer::overloaded_on_status)) names.
     ///
     /// # Example
     ///

@@ -8,6 +8,7 @@
 mod gcra;
 mod health;
 mod memory;
+mod options;
 mod owed;
 mod quorum;
 mod redis;
@@ -15,6 +16,7 @@ mod store;
 
 pub use self::health::BackendStatus;
 pub use self::memory::MemoryBackend;
+pub(crate) use self::options::{ConnectOptions, not_a_url};
 pub use self::quorum::{QuorumBackend, QuorumBackendBuilder};
 pub use self::redis::{RedisBackend, RedisBackendBuilder};
 pub(crate) use self::store::{Attempt, Ending, Member, Mode, Opened, Samples, Store, sealed};

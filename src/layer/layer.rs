@@ -165,10 +165,10 @@ impl<Admission> DistributedConcurrencyLimitLayer<Plain, Admission> {
     /// let sem = Semaphore::builder("jobs").limit(4).build(MemoryBackend::new()).unwrap();
     /// // Only timeouts of the inner service's own say the downstream is overloaded.
     /// let layer = DistributedConcurrencyLimitLayer::new(sem)
-    ///     .overloaded_when(|e| e.is::<tower::timeout::error::Elapsed>());
+    ///     .overloaded_on_error(|e| e.is::<tower::timeout::error::Elapsed>());
     /// # let _ = layer;
     /// ```
-    pub fn overloaded_when(mut self, overloaded: fn(&BoxError) -> bool) -> Self {
+    pub fn overloaded_on_error(mut self, overloaded: fn(&BoxError) -> bool) -> Self {
         self.gatekeeper.overloaded = overloaded;
         self
     }
@@ -691,12 +691,12 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     /// let sem = Semaphore::builder("api").limit(8).build(MemoryBackend::new()).unwrap();
     /// let layer = DistributedConcurrencyLimitLayer::new(sem)
     ///     .http()
-    ///     .overloaded_when(|status| {
+    ///     .overloaded_on_status(|status| {
     ///         status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::GATEWAY_TIMEOUT
     ///     });
     /// # let _ = layer;
     /// ```
-    pub fn overloaded_when(mut self, overloaded: fn(StatusCode) -> bool) -> Self {
+    pub fn overloaded_on_status(mut self, overloaded: fn(StatusCode) -> bool) -> Self {
         self.flavor.settings_mut().overloaded = overloaded;
         self
     }

@@ -15,10 +15,9 @@ use crate::Error;
 use crate::backend::health::{self, Health, Reconnect};
 use crate::backend::redis::announce::{on_push, subscriber};
 use crate::backend::redis::{Pushes, manager_config};
+use crate::backend::{ConnectOptions, not_a_url};
 use crate::waitlist::Hub;
 
-const CALL_TIMEOUT: Duration = Duration::from_secs(1);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const DRIFT_FACTOR: f64 = 0.01;
 
 /// Settings for a [`QuorumBackend`]; made by [`QuorumBackend::builder`].
@@ -26,10 +25,8 @@ const DRIFT_FACTOR: f64 = 0.01;
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct QuorumBackendBuilder {
     urls: Result<Vec<redis::ConnectionInfo>, Error>,
-    call_timeout: Duration,
-    connect_timeout: Duration,
+    options: ConnectOptions,
     drift_factor: f64,
-    prefix: String,
 }
 
 impl QuorumBackend {
@@ -69,17 +66,11 @@ impl QuorumBackend {
             .iter()
             .map(|url| url.clone().into_connection_info())
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| {
-                Error::config(format!(
-                    "not a Redis URL ({e}); expected e.g. redis://127.0.0.1:6379"
-                ))
-            });
+            .map_err(not_a_url);
         QuorumBackendBuilder {
             urls: infos,
-            call_timeout: CALL_TIMEOUT,
-            connect_timeout: CONNECT_TIMEOUT,
+            options: ConnectOptions::default(),
             drift_factor: DRIFT_FACTOR,
-            prefix: "dlimit:".into(),
         }
     }
 }
@@ -88,13 +79,13 @@ impl QuorumBackendBuilder {
     /// The longest any call to one node may take (default 1 s); a node slower than that is
     /// counted out of that call's majority.
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
-        self.call_timeout = timeout;
+        self.options.call_timeout = timeout;
         self
     }
 
     /// The longest one connection attempt may take (default 1 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.options.connect_timeout = timeout;
         self
     }
 
@@ -107,7 +98,7 @@ impl QuorumBackendBuilder {
 
     /// Puts every key and channel under `prefix` (default `"dlimit:"`).
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
+        self.options.prefix = prefix.into();
         self
     }
 
@@ -123,7 +114,7 @@ impl QuorumBackendBuilder {
     ///
     /// Dropping the future before it resolves drops the connections being opened.
     pub async fn connect(self) -> Result<QuorumBackend, Error> {
-        let connect_timeout = self.connect_timeout;
+        let connect_timeout = self.options.connect_timeout;
         let backend = self.build()?;
         let nodes = &backend.shared.nodes;
         let pings = nodes.iter().map(|node| {
@@ -205,11 +196,7 @@ impl QuorumBackendBuilder {
                 urls.len()
             )));
         }
-        if self.call_timeout.is_zero() || self.connect_timeout.is_zero() {
-            return Err(Error::config(
-                "Redis call and connect timeouts must be more than zero",
-            ));
-        }
+        self.options.check()?;
         if !(0.0..1.0).contains(&self.drift_factor) {
             return Err(Error::config(format!(
                 "clock drift factor {} is outside 0 ..= 1",
@@ -222,8 +209,12 @@ impl QuorumBackendBuilder {
         let pushes: Pushes = Arc::new(move |push: PushInfo| on_push(&notify, push));
         // Every node is kept, reachable now or not: a majority counts all of them, and a node
         // that comes back is used again.
-        let config = manager_config(&pushes, self.call_timeout, self.connect_timeout);
-        let bound = self.connect_timeout + self.call_timeout;
+        let config = manager_config(
+            &pushes,
+            self.options.call_timeout,
+            self.options.connect_timeout,
+        );
+        let bound = self.options.connect_timeout + self.options.call_timeout;
         let nodes = urls
             .into_iter()
             .map(|info| {
@@ -249,9 +240,9 @@ impl QuorumBackendBuilder {
                 nodes,
                 hub,
                 drift_factor: self.drift_factor,
-                call_timeout: self.call_timeout,
+                call_timeout: self.options.call_timeout,
             }),
-            prefix: self.prefix.into(),
+            prefix: self.options.prefix.into(),
         })
     }
 }

@@ -23,13 +23,12 @@ use super::{Connection, RedisBackend, Replicas, sentinel};
 use crate::Error;
 use crate::backend::health::{self, Health, Reconnect};
 use crate::backend::store::{bounded_name, default_process_name, process_tag};
+use crate::backend::{ConnectOptions, not_a_url};
 use crate::sync::lock;
 use crate::waitlist::Hub;
 
 /// Default bounds on every Redis call: a hung or vanished server answers with an error, not a
 /// hang.
-const CALL_TIMEOUT: Duration = Duration::from_secs(1);
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Why a `rediss://` URL is refused by a build without TLS.
 #[cfg(not(feature = "tls"))]
@@ -273,9 +272,7 @@ impl RedisBackend {
 #[must_use = "a builder does nothing until `connect` is called"]
 pub struct RedisBackendBuilder {
     nodes: Result<Nodes, Error>,
-    call_timeout: Duration,
-    connect_timeout: Duration,
-    prefix: String,
+    options: ConnectOptions,
     /// PEM certificates of the CAs to trust for `rediss://`, instead of the system's.
     root_certificates: Vec<u8>,
     replicas: Option<Replicas>,
@@ -291,9 +288,7 @@ impl RedisBackendBuilder {
             if e.kind() == ErrorKind::InvalidClientConfig && e.to_string().contains("TLS") {
                 return Error::config(NO_TLS);
             }
-            Error::config(format!(
-                "not a Redis URL ({e}); expected e.g. redis://127.0.0.1:6379"
-            ))
+            not_a_url(e)
         }))
     }
 
@@ -301,9 +296,7 @@ impl RedisBackendBuilder {
     fn with(nodes: Result<Nodes, Error>) -> Self {
         RedisBackendBuilder {
             nodes,
-            call_timeout: CALL_TIMEOUT,
-            connect_timeout: CONNECT_TIMEOUT,
-            prefix: "dlimit:".into(),
+            options: ConnectOptions::default(),
             root_certificates: Vec::new(),
             replicas: None,
             process_name: None,
@@ -321,13 +314,13 @@ impl RedisBackendBuilder {
     /// (default 1 s): a hung or paused server costs a request at most this (a call whose
     /// connection dropped is sent once more).
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
-        self.call_timeout = timeout;
+        self.options.call_timeout = timeout;
         self
     }
 
     /// The longest one connection attempt may take (default 1 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
+        self.options.connect_timeout = timeout;
         self
     }
 
@@ -356,7 +349,7 @@ impl RedisBackendBuilder {
 
     /// See [`RedisBackend::key_prefix`].
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
+        self.options.prefix = prefix.into();
         self
     }
 
@@ -510,11 +503,7 @@ impl RedisBackendBuilder {
     /// The backend these settings describe, down until its server is reached.
     fn build(self) -> Result<RedisBackend, Error> {
         let nodes = self.nodes?;
-        if self.call_timeout.is_zero() || self.connect_timeout.is_zero() {
-            return Err(Error::config(
-                "Redis call and connect timeouts must be more than zero",
-            ));
-        }
+        self.options.check()?;
         if let Some(Replicas { count, timeout }) = self.replicas
             && (count == 0 || timeout < Duration::from_millis(1))
         {
@@ -563,12 +552,12 @@ impl RedisBackendBuilder {
         // promotes the replica that has the most), and a deposed master soon has no replica
         // left to acknowledge one.
         let promotion_fence = (matches!(nodes, Nodes::Sentinel(..)) && self.replicas.is_none())
-            .then_some(sentinel::CONFIRM + self.call_timeout);
+            .then_some(sentinel::CONFIRM + self.options.call_timeout);
         let target = Target {
             nodes,
             tls,
-            call_timeout: self.call_timeout,
-            connect_timeout: self.connect_timeout,
+            call_timeout: self.options.call_timeout,
+            connect_timeout: self.options.connect_timeout,
             #[cfg(feature = "tls")]
             certificates: (!self.root_certificates.is_empty()).then_some(TlsCertificates {
                 client_tls: None,
@@ -583,7 +572,7 @@ impl RedisBackendBuilder {
         let reconnects = Arc::new(watch::Sender::new(0));
         let notify = Arc::downgrade(&hub);
         let ticks = Arc::downgrade(&reconnects);
-        let health = Health::new(label, target.open_bound() + self.call_timeout);
+        let health = Health::new(label, target.open_bound() + self.options.call_timeout);
         let kick = health.kicker();
         let pushes = Arc::new(move |push: PushInfo| {
             if push.kind == PushKind::Disconnection {
@@ -605,7 +594,7 @@ impl RedisBackendBuilder {
                 requests: Mutex::new(Some(requests)),
                 cluster,
                 hub,
-                call_timeout: self.call_timeout,
+                call_timeout: self.options.call_timeout,
                 reconnects,
                 replicas: self.replicas,
                 promotion_fence,
@@ -619,7 +608,7 @@ impl RedisBackendBuilder {
                 )
                 .into(),
             }),
-            prefix: self.prefix.into(),
+            prefix: self.options.prefix.into(),
         })
     }
 }
