@@ -424,10 +424,9 @@ async fn hostile_names_keep_their_keys_in_one_slot_and_apart() {
 /// Per-key semaphores used once each must not leave a renewal task behind per key.
 #[tokio::test(flavor = "current_thread")]
 async fn per_key_churn_leaves_no_tasks_behind() {
-    let partitions = Partitions::builder("churn")
+    let partitions = Partitions::like(Semaphore::builder("churn").lease(Duration::from_secs(3600)))
         .key(|_: &()| None)
         .limit(1)
-        .lease(Duration::from_secs(3600))
         .capacity(16)
         .build(MemoryBackend::new())
         .unwrap();

@@ -2,14 +2,13 @@
 //! taken from the request (any request type; header helpers for HTTP).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::HeaderName;
 
 use super::admit::{Admit, Weighable, sealed};
 use super::cache::KeyCache;
 use super::key::{HeaderKey, PartitionKey};
-use crate::{Ask, Backend, Error, MAX_NAME_LEN, OutagePolicy, Semaphore, SemaphoreBuilder};
+use crate::{Ask, Backend, Error, MAX_NAME_LEN, Semaphore, SemaphoreBuilder};
 
 const DEFAULT_CAPACITY: usize = 10_000;
 const DEFAULT_MAX_KEY_LEN: usize = 256;
@@ -177,7 +176,7 @@ impl<K> PartitionsBuilder<K> {
         }
     }
 
-    /// Every key gets the same limit.
+    /// Every key gets the same limit (default: the template's, see [`Partitions::like`]).
     pub fn limit(self, limit: u32) -> Self {
         self.limit_by(move |_| limit)
     }
@@ -189,31 +188,6 @@ impl<K> PartitionsBuilder<K> {
         F: Fn(&str) -> u32 + Send + Sync + 'static,
     {
         self.limit = Some(Box::new(limit));
-        self
-    }
-
-    /// The lease of every key's semaphore (default: [`SemaphoreBuilder::lease`]'s).
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.template = self.template.lease(lease);
-        self
-    }
-
-    /// The acquire timeout of every key's semaphore (default:
-    /// [`SemaphoreBuilder::acquire_timeout`]'s).
-    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
-        self.template = self.template.acquire_timeout(timeout);
-        self
-    }
-
-    /// Each key's [`SemaphoreBuilder::max_waiters`].
-    pub fn max_waiters(mut self, max: usize) -> Self {
-        self.template = self.template.max_waiters(max);
-        self
-    }
-
-    /// Each key's [`SemaphoreBuilder::on_outage`]: what to do when the backend is down.
-    pub fn on_outage(mut self, policy: OutagePolicy) -> Self {
-        self.template = self.template.on_outage(policy);
         self
     }
 
@@ -240,7 +214,8 @@ impl<K> PartitionsBuilder<K> {
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] without a key extractor or a limit, for a zero capacity or key length,
+    /// [`Error::Config`] without a key extractor or a limit (here or in the template), for a
+    /// zero capacity or key length,
     /// a base name and key length over [`MAX_NAME_LEN`](crate::MAX_NAME_LEN), or settings
     /// [`SemaphoreBuilder::build`] refuses.
     pub fn build<B: Backend + Clone>(self, backend: B) -> Result<Partitions<K>, Error> {
@@ -250,10 +225,14 @@ impl<K> PartitionsBuilder<K> {
                 "partitions {base:?} have no key extractor; call .key(..) or .key_header(..)"
             )));
         };
-        let Some(limit) = self.limit else {
-            return Err(Error::Config(format!(
-                "partitions {base:?} have no limit; call .limit(n) or .limit_by(..)"
-            )));
+        let limit = match (self.limit, self.template.configured_limit()) {
+            (Some(limit), _) => limit,
+            (None, Some(limit)) => Box::new(move |_: &str| limit),
+            (None, None) => {
+                return Err(Error::Config(format!(
+                    "partitions {base:?} have no limit; call .limit(n) or .limit_by(..)"
+                )));
+            }
         };
         if self.capacity == 0 || self.max_key_len == 0 {
             return Err(Error::Config(format!(
@@ -290,11 +269,39 @@ impl<K> PartitionsBuilder<K> {
 }
 
 impl Partitions {
-    /// Starts the settings of partitions whose semaphores are named `"{base_name}:{key}"`.
+    /// Starts the settings of partitions whose semaphores are named `"{base_name}:{key}"`,
+    /// with a semaphore's default settings; [`like`](Self::like) sets any of them.
     pub fn builder(base_name: impl Into<String>) -> PartitionsBuilder {
-        let base = base_name.into();
+        Self::like(Semaphore::builder(base_name))
+    }
+
+    /// Starts the settings of partitions whose key semaphores are built as `template`
+    /// describes (its lease, timeouts, outage policy, classes, tenants, prefetch...), each
+    /// named `"{template's name}:{key}"`, with its limit unless
+    /// [`limit`](PartitionsBuilder::limit) or [`limit_by`](PartitionsBuilder::limit_by) sets
+    /// another.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_distributed_limit::{MemoryBackend, OutagePolicy, Partitions, Semaphore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let per_tenant = Partitions::like(
+    ///     Semaphore::builder("jobs")
+    ///         .limit(4)
+    ///         .lease(Duration::from_secs(60))
+    ///         .on_outage(OutagePolicy::Local { limit: 1 }),
+    /// )
+    /// .key(|job: &String| Some(job.clone()))
+    /// .build(MemoryBackend::new())?;
+    /// let acme = per_tenant.semaphore("acme")?;
+    /// assert_eq!((acme.name(), acme.limit(), acme.lease()), ("jobs:acme", 4, Duration::from_secs(60)));
+    /// # Ok(()) }
+    /// ```
+    pub fn like(template: SemaphoreBuilder) -> PartitionsBuilder {
+        let base = template.name().to_owned();
         PartitionsBuilder {
-            template: Semaphore::builder(base.clone()).metrics_label(base.clone()),
+            template: template.metrics_label(base.clone()),
             base,
             key: None,
             limit: None,

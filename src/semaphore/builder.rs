@@ -417,6 +417,16 @@ impl SemaphoreBuilder {
         self.label = Some(label);
         self
     }
+
+    /// The name these settings are for.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The limit set with [`limit`](Self::limit), if any.
+    pub(crate) fn configured_limit(&self) -> Option<u32> {
+        self.limit
+    }
 }
 
 impl Semaphore {

@@ -270,12 +270,13 @@ async fn a_1ms_acquire_timeout_serves_free_slots_and_refuses_only_when_full() {
         .acquire_timeout(Duration::from_millis(1))
         .build(redis.backend().await)
         .unwrap();
-    let partitions = Partitions::builder("short-keys")
-        .key_header(HeaderName::from_static("x-api-key"))
-        .limit(2)
-        .acquire_timeout(Duration::from_millis(1))
-        .build(redis.backend().await)
-        .unwrap();
+    let partitions = Partitions::like(
+        Semaphore::builder("short-keys").acquire_timeout(Duration::from_millis(1)),
+    )
+    .key_header(HeaderName::from_static("x-api-key"))
+    .limit(2)
+    .build(redis.backend().await)
+    .unwrap();
     let probe = Probe::new();
     let one = serve(
         probe

@@ -291,12 +291,11 @@ fn runner<L: tower::Layer<Runner>>(layer: L, probe: &Probe) -> L::Service {
 }
 
 fn api_key_partitions(backend: impl Backend + Clone, capacity: usize) -> Partitions {
-    Partitions::builder("tenants")
+    Partitions::like(Semaphore::builder("tenants").acquire_timeout(BOUND))
         .key_header(HeaderName::from_static("x-api-key"))
         .limit_by(|key| if key.starts_with("pro-") { 2 } else { 1 })
         .max_key_len(16)
         .capacity(capacity)
-        .acquire_timeout(BOUND)
         .build(backend)
         .unwrap()
 }
