@@ -227,29 +227,11 @@ async fn combined(redis: &support::Redis) -> (u64, u64) {
         .layer(DistributedConcurrencyLimitLayer::new(sem).rate_limit(rate))
         .service(service_fn(|()| async { Ok::<_, tower::BoxError>(()) }));
     svc.clone().oneshot(()).await.expect("a warm-up request");
-    let before = script_calls(redis).await;
+    let before = redis.script_calls().await;
     for _ in 0..REQUESTS {
         svc.clone().oneshot(()).await.expect("a request");
     }
-    (REQUESTS, script_calls(redis).await - before)
-}
-
-/// EVALSHA and EVAL calls the server ran so far.
-async fn script_calls(redis: &support::Redis) -> u64 {
-    let mut conn = redis.conn().await;
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await
-        .expect("INFO commandstats");
-    info.lines()
-        .filter_map(|line| {
-            let rest = line
-                .strip_prefix("cmdstat_evalsha:calls=")
-                .or_else(|| line.strip_prefix("cmdstat_eval:calls="))?;
-            rest.split(',').next()?.parse::<u64>().ok()
-        })
-        .sum()
+    (REQUESTS, redis.script_calls().await - before)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -636,26 +618,6 @@ struct ServerWindow {
     inner: BTreeMap<String, (u64, u64)>,
 }
 
-async fn commandstats(conn: &mut MultiplexedConnection) -> BTreeMap<String, (u64, u64)> {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .expect("INFO commandstats");
-    info.lines()
-        .filter_map(|line| {
-            let (name, fields) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-            let field = |key: &str| {
-                fields
-                    .split(',')
-                    .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
-                    .and_then(|v| v.parse().ok())
-            };
-            Some((name.to_owned(), (field("calls")?, field("usec")?)))
-        })
-        .collect()
-}
-
 /// The script calls to time: a ladder step by `EVALSHA`, or `check()`.
 enum Step {
     Script { sha: String, key: Option<String> },
@@ -683,7 +645,7 @@ async fn window(
             Step::Check => callers.call(CHECK).await,
         }
     }
-    let mut all = commandstats(stats).await;
+    let mut all = support::commandstats(stats).await;
     let (calls, usec) = all.remove("evalsha").expect("EVALSHA counted");
     assert_eq!(calls, WINDOW as u64, "nothing else ran a script");
     all.retain(|name, _| name != "info" && !name.starts_with("config"));

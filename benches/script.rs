@@ -64,26 +64,6 @@ const SCENARIOS: [Scenario; 4] = [
 /// `INFO commandstats` as command -> (calls, total µs).
 type CommandStats = BTreeMap<String, (u64, u64)>;
 
-async fn commandstats(conn: &mut MultiplexedConnection) -> CommandStats {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .expect("INFO commandstats");
-    info.lines()
-        .filter_map(|line| {
-            let (name, fields) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-            let field = |key: &str| {
-                fields
-                    .split(',')
-                    .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
-                    .and_then(|v| v.parse().ok())
-            };
-            Some((name.to_owned(), (field("calls")?, field("usec")?)))
-        })
-        .collect()
-}
-
 /// Commands the script ran, as Redis counts those called from Lua too (their time is also
 /// inside the script's): everything but the script calls and this bench's own commands.
 fn inner_commands(stats: &CommandStats) -> impl Iterator<Item = (&str, (u64, u64))> {
@@ -128,7 +108,7 @@ async fn run(
             .await
             .expect("CONFIG RESETSTAT");
         cycles(&semaphores, CYCLES).await;
-        let window = commandstats(stats).await;
+        let window = support::commandstats(stats).await;
         assert_eq!(
             window.get("evalsha").map_or(0, |&(calls, _)| calls),
             2 * CYCLES as u64,

@@ -241,15 +241,34 @@ pub async fn command_calls_at(url: &str, name: &str) -> u64 {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
+    commandstats(&mut conn)
+        .await
+        .get(name)
+        .map_or(0, |&(calls, _)| calls)
+}
+
+/// `INFO commandstats` as command (lower case) -> (calls, total µs). Redis counts the commands
+/// a script runs too, and their time is also inside the script call's.
+pub async fn commandstats(
+    conn: &mut MultiplexedConnection,
+) -> std::collections::BTreeMap<String, (u64, u64)> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
-        .query_async(&mut conn)
+        .query_async(conn)
         .await
-        .unwrap();
+        .expect("INFO commandstats");
     info.lines()
-        .find_map(|line| line.strip_prefix(&format!("cmdstat_{name}:calls=")))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |calls| calls.parse().unwrap())
+        .filter_map(|line| {
+            let (name, fields) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let field = |key: &str| {
+                fields
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+                    .and_then(|v| v.parse().ok())
+            };
+            Some((name.to_owned(), (field("calls")?, field("usec")?)))
+        })
+        .collect()
 }
 
 /// A loopback port nobody listens on now (never 6379).
