@@ -19,8 +19,9 @@ use tokio::time::Instant;
 
 use self::permits::Permits;
 use crate::backend::gcra::{Cells, Rated};
+use crate::backend::member::Member;
 use crate::backend::store::{
-    Attempt, Ending, Member, Mode, Opened, Samples, Store, default_process_name, sealed::Open,
+    Attempt, Ending, Mode, Opened, Samples, Store, default_process_name, sealed::Open,
 };
 use crate::class::Classes;
 use crate::snapshot::Snapshot;

@@ -15,7 +15,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::adaptive::Gradient;
-use crate::backend::store::{Attempt, Ending, Member, Mode, Samples};
+use crate::backend::member::Member;
+use crate::backend::store::{Attempt, Ending, Mode, Samples};
 use crate::class::{Classes, Room};
 use crate::snapshot::{Holder, Snapshot};
 use crate::waitlist::Status;

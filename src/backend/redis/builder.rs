@@ -22,7 +22,8 @@ use super::eviction::Eviction;
 use super::{Connection, RedisBackend, Replicas, sentinel};
 use crate::Error;
 use crate::backend::health::{self, Health, Reconnect};
-use crate::backend::store::{bounded_name, default_process_name, process_tag};
+use crate::backend::member::process_tag;
+use crate::backend::store::{bounded_name, default_process_name};
 use crate::sync::lock;
 use crate::waitlist::Hub;
 
