@@ -21,7 +21,7 @@ mod builder;
 mod prefetch;
 
 pub use self::builder::SemaphoreBuilder;
-use self::builder::Settings;
+use self::builder::{Checked, Settings};
 use self::prefetch::{Pool, Source};
 
 /// A counting semaphore shared by every process that builds one with the same name on the same
@@ -85,6 +85,31 @@ impl std::fmt::Debug for Semaphore {
             .field("acquire_timeout", &settings.acquire_timeout)
             .field("outage", &settings.outage)
             .finish_non_exhaustive()
+    }
+}
+
+impl Semaphore {
+    /// Starts the settings of the semaphore called `name`: every process that uses the same
+    /// name on the same backend shares one limit.
+    pub fn builder(name: impl Into<String>) -> SemaphoreBuilder {
+        SemaphoreBuilder::new(name)
+    }
+}
+
+impl SemaphoreBuilder {
+    /// Checks the settings and opens the semaphore on `backend`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes, a missing or zero
+    /// limit, both a limit and an adaptive one, adaptive bounds out of order (see
+    /// [`AdaptiveLimit`](crate::AdaptiveLimit)) or on a backend that cannot adapt ([`QuorumBackend`](crate::QuorumBackend)), a lease under 1 ms or over 49 days, a claim window under 1 ms, a zero acquire
+    /// timeout or `max_waiters`, or a local outage limit of 0. Nothing is sent to the backend.
+    pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
+        let Checked { settings, fallback } = self.settings(&backend)?;
+        let fallback =
+            fallback.map(|local| Semaphore::open(local, &crate::MemoryBackend::new(), None, true));
+        Ok(Semaphore::open(settings, &backend, fallback, false))
     }
 }
 
