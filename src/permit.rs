@@ -16,7 +16,6 @@ use crate::backend::RateDecision;
 use crate::backend::{Ending, Member, Store};
 use crate::keeper::Keeper;
 use crate::lease::Lease;
-use crate::semaphore::Pool;
 use crate::telemetry::{Op, Telemetry};
 
 /// A held share of a [`Semaphore`](crate::Semaphore), given back when dropped.
@@ -53,7 +52,22 @@ pub struct Permit {
     /// The lease as this process knows it, renewed by the semaphore's keeper.
     lease: Arc<Lease>,
     /// The prefetched slots it returns to when dropped, while they want it back.
-    home: Option<Weak<Pool>>,
+    home: Option<Weak<dyn Home>>,
+}
+
+/// Where a permit done with may go instead of back to the backend: its semaphore's prefetch
+/// pool (`semaphore/prefetch.rs`), which keeps the slot held for the next acquire.
+pub(crate) trait Home: Send + Sync {
+    /// Whether a permit done with may come back rather than go to the backend.
+    fn wants_back(&self) -> bool;
+
+    /// Whether the holds that end here are an adaptive limit's samples (`returned` wants
+    /// their endings).
+    fn learns(&self) -> bool;
+
+    /// `permit`, handed out, is done with; its hold ended as `ending` says (given when the
+    /// home [`learns`](Self::learns)).
+    fn returned(&self, permit: Permit, ending: Option<Ending>);
 }
 
 /// What the permits of one semaphore share: where they are released and who renews them.
@@ -338,7 +352,7 @@ impl Permit {
     }
 
     /// Returns to `pool` when dropped (unless someone waits or the pool is full).
-    pub(crate) fn homed(mut self, pool: Weak<Pool>) -> Permit {
+    pub(crate) fn homed(mut self, pool: Weak<dyn Home>) -> Permit {
         self.home = Some(pool);
         self
     }

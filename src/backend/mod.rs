@@ -7,6 +7,7 @@
 
 mod gcra;
 mod health;
+mod member;
 mod memory;
 mod options;
 mod owed;
@@ -15,11 +16,12 @@ mod redis;
 mod store;
 
 pub use self::health::BackendStatus;
+pub(crate) use self::member::Member;
 pub use self::memory::MemoryBackend;
 pub(crate) use self::options::{ConnectOptions, not_a_url};
 pub use self::quorum::{QuorumBackend, QuorumBackendBuilder};
 pub use self::redis::{RedisBackend, RedisBackendBuilder};
-pub(crate) use self::store::{Attempt, Ending, Member, Mode, Opened, Samples, Store, sealed};
+pub(crate) use self::store::{Attempt, Ending, Mode, Opened, Samples, Store, sealed};
 // The rate limiter's side: see gcra.rs.
 pub(crate) use self::gcra::{EXACT, Gcra, RateKey, RateStore, Rated};
 pub use self::gcra::{RateBackend, RateDecision};

@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use super::Semaphore;
 use crate::backend::Backend;
 use crate::class::Classes;
 use crate::name::check_name_len;
@@ -36,7 +35,15 @@ pub(super) struct Settings {
     pub(super) prefetch: u32,
 }
 
-/// Settings for a [`Semaphore`]; made by [`Semaphore::builder`].
+/// What [`SemaphoreBuilder::settings`] found valid: the semaphore's settings, and its
+/// in-process fallback's when the outage policy limits locally.
+pub(super) struct Checked {
+    pub(super) settings: Settings,
+    pub(super) fallback: Option<Settings>,
+}
+
+/// Settings for a [`Semaphore`](crate::Semaphore); made by
+/// [`Semaphore::builder`](crate::Semaphore::builder).
 ///
 /// # Example
 ///
@@ -77,7 +84,7 @@ impl SemaphoreBuilder {
     /// The first process to open the semaphore (while nobody holds or waits) decides whether
     /// it adapts, as it decides the limit: a process built with a fixed limit admits by the
     /// adaptive limit in force (and logs a warning that its own differs), and its releases
-    /// are samples too. [`Semaphore::set_limit`] pins the limit: it stops adapting until the
+    /// are samples too. [`Semaphore::set_limit`](crate::Semaphore::set_limit) pins the limit: it stops adapting until the
     /// semaphore falls idle and is opened again.
     ///
     /// # Example
@@ -102,7 +109,7 @@ impl SemaphoreBuilder {
         self
     }
 
-    /// How long [`Semaphore::acquire`] waits for a permit before
+    /// How long [`Semaphore::acquire`](crate::Semaphore::acquire) waits for a permit before
     /// [`Error::Timeout`] (default 10 s, more than zero).
     pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
         self.acquire_timeout = timeout;
@@ -157,7 +164,7 @@ impl SemaphoreBuilder {
     /// for the pool, a lower one is admitted only inside its own reservation.
     ///
     /// With a limit in force below the reservations together (an operator's
-    /// [`set_limit`](Semaphore::set_limit), an adaptive limit that fell), the reservations are
+    /// [`set_limit`](crate::Semaphore::set_limit), an adaptive limit that fell), the reservations are
     /// kept first: the total never passes the limit, and only reserved classes are admitted,
     /// each up to its reservation, until the limit is back above their sum; the others' acquires
     /// are refused at once with an [`Error::Config`] naming their class, not left to wait.
@@ -219,7 +226,7 @@ impl SemaphoreBuilder {
     /// limit decided with it) without a round trip. 0, the default, prefetches nothing.
     ///
     /// Each prefetched slot is an ordinary holder in the backend: leased, renewed and fenced
-    /// like any other, visible in [`snapshot`](Semaphore::snapshot), so the limit stays exact
+    /// like any other, visible in [`snapshot`](crate::Semaphore::snapshot), so the limit stays exact
     /// across the fleet. Every reply to this process says whether anyone waits; once one says
     /// so, the unused slots go back with the next call (at once, in the background), and none
     /// is taken again until a reply says nobody waits. The price: a free slot may sit unused
@@ -255,15 +262,9 @@ impl SemaphoreBuilder {
         self
     }
 
-    /// Checks the settings and opens the semaphore on `backend`.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes, a missing or zero
-    /// limit, both a limit and an adaptive one, adaptive bounds out of order (see
-    /// [`AdaptiveLimit`]) or on a backend that cannot adapt ([`QuorumBackend`](crate::QuorumBackend)), a lease under 1 ms or over 49 days, a claim window under 1 ms, a zero acquire
-    /// timeout or `max_waiters`, or a local outage limit of 0. Nothing is sent to the backend.
-    pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
+    /// The checked settings of [`build`](Self::build) for `backend`, and those of its
+    /// in-process fallback when the outage policy limits locally; the errors are `build`'s.
+    pub(super) fn settings(self, backend: &impl Backend) -> Result<Checked, Error> {
         if self.name.is_empty() {
             return Err(Error::config(
                 "the semaphore name is empty; every process sharing the limit must use the same non-empty name",
@@ -379,12 +380,7 @@ impl SemaphoreBuilder {
                     classes: Classes::default(),
                     prefetch: 0,
                 };
-                Some(Semaphore::open(
-                    settings,
-                    &crate::MemoryBackend::new(),
-                    None,
-                    true,
-                ))
+                Some(settings)
             }
         };
         let settings = Settings {
@@ -400,7 +396,7 @@ impl SemaphoreBuilder {
             classes: self.classes,
             prefetch: self.prefetch,
         };
-        Ok(Semaphore::open(settings, &backend, fallback, false))
+        Ok(Checked { settings, fallback })
     }
 
     /// The same settings for another name (per-key semaphores of [`Partitions`]).
@@ -429,10 +425,9 @@ impl SemaphoreBuilder {
     }
 }
 
-impl Semaphore {
-    /// Starts the settings of the semaphore called `name`: every process that uses the same
-    /// name on the same backend shares one limit.
-    pub fn builder(name: impl Into<String>) -> SemaphoreBuilder {
+impl SemaphoreBuilder {
+    /// The defaults, for the semaphore called `name` ([`Semaphore::builder`](crate::Semaphore::builder)).
+    pub(super) fn new(name: impl Into<String>) -> SemaphoreBuilder {
         SemaphoreBuilder {
             name: name.into(),
             limit: None,

@@ -21,8 +21,8 @@ mod builder;
 mod prefetch;
 
 pub use self::builder::SemaphoreBuilder;
-use self::builder::Settings;
-pub(crate) use self::prefetch::Pool;
+use self::builder::{Checked, Settings};
+use self::prefetch::{Pool, Source};
 
 /// A counting semaphore shared by every process that builds one with the same name on the same
 /// backend: at most [`limit`](Semaphore::limit) permits are out at once, across all of them.
@@ -72,7 +72,7 @@ struct Core {
     outage_log: OutageLog,
     /// The slots taken ahead of need (`SemaphoreBuilder::prefetch`), where the backend tells
     /// whether anyone waits.
-    prefetch: Option<Arc<prefetch::Pool>>,
+    prefetch: Option<Arc<Pool>>,
 }
 
 impl std::fmt::Debug for Semaphore {
@@ -85,6 +85,31 @@ impl std::fmt::Debug for Semaphore {
             .field("acquire_timeout", &settings.acquire_timeout)
             .field("outage", &settings.outage)
             .finish_non_exhaustive()
+    }
+}
+
+impl Semaphore {
+    /// Starts the settings of the semaphore called `name`: every process that uses the same
+    /// name on the same backend shares one limit.
+    pub fn builder(name: impl Into<String>) -> SemaphoreBuilder {
+        SemaphoreBuilder::new(name)
+    }
+}
+
+impl SemaphoreBuilder {
+    /// Checks the settings and opens the semaphore on `backend`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for an empty name or one over [`MAX_NAME_LEN`](crate::MAX_NAME_LEN) bytes, a missing or zero
+    /// limit, both a limit and an adaptive one, adaptive bounds out of order (see
+    /// [`AdaptiveLimit`](crate::AdaptiveLimit)) or on a backend that cannot adapt ([`QuorumBackend`](crate::QuorumBackend)), a lease under 1 ms or over 49 days, a claim window under 1 ms, a zero acquire
+    /// timeout or `max_waiters`, or a local outage limit of 0. Nothing is sent to the backend.
+    pub fn build(self, backend: impl Backend) -> Result<Semaphore, Error> {
+        let Checked { settings, fallback } = self.settings(&backend)?;
+        let fallback =
+            fallback.map(|local| Semaphore::open(local, &crate::MemoryBackend::new(), None, true));
+        Ok(Semaphore::open(settings, &backend, fallback, false))
     }
 }
 
@@ -121,7 +146,7 @@ impl Semaphore {
             .flatten()
             .map(|crowding| {
                 let adaptive = settings.adaptive.is_some();
-                prefetch::Pool::new(settings.prefetch, origin.store.clone(), crowding, adaptive)
+                Pool::new(settings.prefetch, origin.store.clone(), crowding, adaptive)
             });
         Semaphore {
             inner: Arc::new(Core {
@@ -775,6 +800,60 @@ impl Semaphore {
                 Wake::TimedOut => return Ok(None),
             }
         }
+    }
+}
+
+// ---- Prefetched slots (`prefetch.rs`): where acquires meet the pool. ----
+
+impl Semaphore {
+    /// A prefetched permit for `ask`, counted as an acquisition, if prefetching serves it
+    /// (see [`prefetched`](Self::prefetched)); synchronous, so the layer skips its acquire
+    /// future for it.
+    pub(crate) fn take_prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
+        let started = Instant::now();
+        let permit = self.prefetched(ask, rated)?;
+        self.report(ask, Ok(Some(&permit)), started);
+        Some(permit)
+    }
+
+    /// A prefetched permit for `ask`, if prefetching serves it: one permit of NORMAL without a
+    /// tenant or a rate decided with it, while nobody waits. Tops the pool up in the
+    /// background when it runs low.
+    fn prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
+        let pool = self.plain_pool(ask, rated)?;
+        let permit = pool.hand_out()?;
+        pool.refill(self);
+        Some(permit)
+    }
+
+    /// `permit`, granted for `ask` by the backend (the pool had none), returns to the pool
+    /// when done with, if prefetching serves `ask`; the pool is topped up now that this
+    /// acquire has its slot (not before: the refill would take the slot it needs).
+    fn homed(&self, permit: Permit, ask: &Ask, rated: bool) -> Permit {
+        match self.plain_pool(ask, rated) {
+            Some(pool) if !permit.is_degraded() => {
+                pool.refill(self);
+                permit.homed(Arc::<Pool>::downgrade(pool))
+            }
+            _ => permit,
+        }
+    }
+
+    fn plain_pool(&self, ask: &Ask, rated: bool) -> Option<&Arc<Pool>> {
+        let pool = self.inner.prefetch.as_ref()?;
+        (!rated && *ask == Ask::new()).then_some(pool)
+    }
+}
+
+impl Source for Semaphore {
+    async fn take(&self, wanted: usize) -> Vec<Permit> {
+        let plain = Ask::new();
+        let taken = (0..wanted).map(|_| self.try_once(&plain, None));
+        let taken: Vec<Result<Option<Permit>, Error>> = futures_util::future::join_all(taken).await;
+        taken
+            .into_iter()
+            .filter_map(|taken| taken.ok().flatten())
+            .collect()
     }
 }
 

@@ -3,18 +3,16 @@
 //! the backend (leased, renewed and fenced like any other), handed out and taken back without
 //! a round trip, and given back to the backend as soon as a reply says someone waits.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tokio::time::Instant;
 
-use super::Semaphore;
 use crate::backend::{Ending, Samples, Store};
-use crate::permit::Permit;
+use crate::permit::{Home, Permit};
 use crate::sync::lock;
-use crate::{Ask, Error};
 
 /// How often a process holding prefetched slots asks the backend whether anyone waits, when
 /// nothing else it sends tells it (its hand-outs and returns need no call): what bounds how
@@ -92,35 +90,6 @@ impl Pool {
         found
     }
 
-    /// Whether a permit done with may go back to the pool rather than to the backend: nobody
-    /// waits (`put` checks the room).
-    pub(crate) fn wants_back(&self) -> bool {
-        !self.crowded()
-    }
-
-    /// Whether the holds that end in the pool are samples ([`returned`](Self::returned)
-    /// wants their endings).
-    pub(crate) fn learns(&self) -> bool {
-        self.adaptive
-    }
-
-    /// `permit`, handed out, is done with: its hold, which ended as `ending` says (given when
-    /// the pool [`learns`](Self::learns)), is a sample for the next check; the permit goes
-    /// back as [`put`](Self::put) says.
-    pub(crate) fn returned(&self, permit: Permit, ending: Option<Ending>) {
-        if let Some(Ending {
-            held: Some(held),
-            overloaded,
-        }) = ending
-        {
-            let mut ended = lock(&self.ended);
-            ended.count = ended.count.saturating_add(1);
-            ended.total = ended.total.saturating_add(held);
-            ended.overloaded |= overloaded;
-        }
-        self.put(permit);
-    }
-
     /// The holds that ended here since the last call, as samples for the backend.
     fn samples(&self) -> Option<Samples> {
         let ended = std::mem::take(&mut *lock(&self.ended));
@@ -133,7 +102,7 @@ impl Pool {
 
     /// Keeps `permit`, idle, for the next acquire; released instead, without a home, when the
     /// pool is full.
-    pub(crate) fn put(&self, mut permit: Permit) {
+    fn put(&self, mut permit: Permit) {
         permit.idle();
         let mut slots = lock(&self.slots);
         if slots.len() < self.size {
@@ -156,78 +125,75 @@ impl Pool {
     }
 }
 
-impl Semaphore {
-    /// A prefetched permit for `ask`, counted as an acquisition, if prefetching serves it
-    /// (see [`prefetched`](Self::prefetched)); synchronous, so the layer skips its acquire
-    /// future for it.
-    pub(crate) fn take_prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
-        let started = Instant::now();
-        let permit = self.prefetched(ask, rated)?;
-        self.report(ask, Ok(Some(&permit)), started);
-        Some(permit)
+impl Home for Pool {
+    /// Nobody waits (`put` checks the room).
+    fn wants_back(&self) -> bool {
+        !self.crowded()
     }
 
-    /// A prefetched permit for `ask`, if prefetching serves it: one permit of NORMAL without a
-    /// tenant or a rate decided with it, while nobody waits. Tops the pool up in the
-    /// background when it runs low.
-    fn prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
-        let pool = self.plain_pool(ask, rated)?;
-        if pool.crowded() {
-            pool.give_back();
+    fn learns(&self) -> bool {
+        self.adaptive
+    }
+
+    /// The hold is a sample for the next check; the permit goes back as
+    /// [`put`](Pool::put) says.
+    fn returned(&self, permit: Permit, ending: Option<Ending>) {
+        if let Some(Ending {
+            held: Some(held),
+            overloaded,
+        }) = ending
+        {
+            let mut ended = lock(&self.ended);
+            ended.count = ended.count.saturating_add(1);
+            ended.total = ended.total.saturating_add(held);
+            ended.overloaded |= overloaded;
+        }
+        self.put(permit);
+    }
+}
+
+/// Where a pool takes its slots from: the semaphore, `wanted` plain permits at once (one
+/// backend call, the acquires going together), each only if it is free.
+pub(super) trait Source: Clone + Send + Sync + 'static {
+    fn take(&self, wanted: usize) -> impl Future<Output = Vec<Permit>> + Send;
+}
+
+impl Pool {
+    /// A prefetched permit, handed out (its hold counts from now), while nobody waits; once
+    /// someone does, every unused slot goes back instead.
+    pub(super) fn hand_out(&self) -> Option<Permit> {
+        if self.crowded() {
+            self.give_back();
             return None;
         }
-        let permit = pool.take()?;
-        self.refill(pool);
-        Some(permit.handed_out())
+        Some(self.take()?.handed_out())
     }
 
-    /// `permit`, granted for `ask` by the backend (the pool had none), returns to the pool
-    /// when done with, if prefetching serves `ask`; the pool is topped up now that this
-    /// acquire has its slot (not before: the refill would take the slot it needs).
-    pub(super) fn homed(&self, permit: Permit, ask: &Ask, rated: bool) -> Permit {
-        match self.plain_pool(ask, rated) {
-            Some(pool) if !permit.is_degraded() => {
-                self.refill(pool);
-                permit.homed(Arc::downgrade(pool))
-            }
-            _ => permit,
-        }
-    }
-
-    pub(super) fn plain_pool(&self, ask: &Ask, rated: bool) -> Option<&Arc<Pool>> {
-        let pool = self.inner.prefetch.as_ref()?;
-        (!rated && *ask == Ask::new()).then_some(pool)
-    }
-
-    /// Once the pool is less than half full, takes free slots until it is full, in one
-    /// backend call (the acquires go together) on a task of its own, while nobody waits; gives
-    /// them back if a reply said someone waits meanwhile. (At half full a pool of two would
-    /// refill at each hand-out, and give a slot back at each return.)
-    fn refill(&self, pool: &Arc<Pool>) {
-        if pool.crowded() || pool.unused() * 2 >= pool.size {
+    /// Once the pool is less than half full, takes free slots from `source` until it is full,
+    /// in one backend call on a task of its own, while nobody waits; gives them back if a
+    /// reply said someone waits meanwhile. (At half full a pool of two would refill at each
+    /// hand-out, and give a slot back at each return.)
+    pub(super) fn refill(self: &Arc<Self>, source: &impl Source) {
+        if self.crowded() || self.unused() * 2 >= self.size {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if pool.refilling.swap(true, Ordering::AcqRel) {
+        if self.refilling.swap(true, Ordering::AcqRel) {
             return;
         }
-        if !pool.watching.swap(true, Ordering::AcqRel) {
+        if !self.watching.swap(true, Ordering::AcqRel) {
             runtime.spawn(watch_for_waiters(
-                Arc::downgrade(pool),
-                pool.crowding.clone(),
+                Arc::downgrade(self),
+                self.crowding.clone(),
             ));
         }
-        let (semaphore, pool) = (self.clone(), pool.clone());
+        let (source, pool) = (source.clone(), self.clone());
         runtime.spawn(async move {
-            let plain = Ask::new();
             let wanted = pool.size.saturating_sub(pool.unused());
-            let taken = (0..wanted).map(|_| semaphore.try_once(&plain, None));
-            let taken: Vec<Result<Option<Permit>, Error>> =
-                futures_util::future::join_all(taken).await;
-            for permit in taken.into_iter().filter_map(|taken| taken.ok().flatten()) {
-                pool.put(permit.homed(Arc::downgrade(&pool)));
+            for permit in source.take(wanted).await {
+                pool.put(permit.homed(Arc::<Pool>::downgrade(&pool)));
             }
             if pool.crowded() {
                 pool.give_back();

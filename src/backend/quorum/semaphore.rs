@@ -10,7 +10,7 @@ use futures_util::stream::FuturesUnordered;
 use redis::{Script, Value};
 use tokio::time::Instant;
 
-use super::owed::Owed;
+use super::owed::{self, Debtor, Owed};
 use super::{Nodes, QuorumBackend};
 use crate::backend::health;
 use crate::backend::redis::CALLS;
@@ -235,5 +235,32 @@ pub(super) fn integer(value: &Value) -> Option<i64> {
     match value {
         Value::Int(n) => Some(*n),
         _ => None,
+    }
+}
+
+impl QuorumSemaphore {
+    /// Keeps the release `args` for `nodes`, down when it was sent, until `until`; a task sends
+    /// it to each once that node is back (`owed.rs`).
+    pub(super) fn owe(&self, nodes: &[usize], args: &[String], until: Instant) {
+        owed::owe(self.me.upgrade(), nodes, args, until);
+    }
+}
+
+impl Debtor for QuorumSemaphore {
+    fn owed(&self) -> &Mutex<Owed> {
+        &self.owed
+    }
+
+    fn is_up(&self, node: usize) -> bool {
+        self.shared.nodes[node].health.is_up()
+    }
+
+    fn back(&self, node: usize) -> tokio::sync::watch::Receiver<u64> {
+        self.shared.nodes[node].back.subscribe()
+    }
+
+    async fn pay(&self, node: usize, args: &[String]) -> bool {
+        let answers = self.on_nodes("release", args, |n| n == node).await;
+        answers[node].is_some()
     }
 }
