@@ -34,7 +34,10 @@ use crate::{AdaptiveLimit, Error};
 static SEMAPHORE: Lua = Lua::library(concat!(
     include_str!("../lua/gcra.lua"),
     include_str!("../lua/semaphore/protocol.lua"),
+    include_str!("../lua/semaphore/values.lua"),
     include_str!("../lua/semaphore/args.lua"),
+    include_str!("../lua/semaphore/members.lua"),
+    include_str!("../lua/semaphore/meta.lua"),
     include_str!("../lua/semaphore/classes.lua"),
     include_str!("../lua/semaphore/tenants.lua"),
     include_str!("../lua/semaphore/fence.lua"),
