@@ -5,11 +5,12 @@
 //! times, the processes' names, the tenants' index, the processes' protocol versions), all
 //! under the `{name}` hash tag (`keys.rs`), laid out as docs/protocol.md states (its numbers in
 //! `protocol.rs`); every operation is one bounded call of `lua/semaphore/` (see
-//! `semaphore.rs`), a function on Redis 7 or a script by SHA (sent whole on NOSCRIPT), through
-//! `script.rs`. Grants to queued waiters are published on the semaphore's channel; a
-//! process's waiters share the backend's one multiplexed RESP3 connection, subscribed to a
-//! channel only while someone waits on it (`announce.rs`). `builder.rs` makes the backend and
-//! opens its connection, `errors.rs` says what a failure means, and `eviction.rs` warns of a
+//! `semaphore.rs`: written by `args.rs`, read by `reply.rs`, grouped by `outbox.rs`), a
+//! function on Redis 7 or a script by SHA (sent whole on NOSCRIPT), through `script.rs`.
+//! Grants to queued waiters are published on the semaphore's channel; a process's waiters
+//! share the backend's one multiplexed RESP3 connection, subscribed to a channel only while
+//! someone waits on it (`announce.rs`). `builder.rs` makes the backend and opens its
+//! connection, `errors.rs` says what a failure means, and `eviction.rs` warns of a
 //! server that may evict the keys.
 
 use std::sync::atomic::AtomicBool;
@@ -19,14 +20,17 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 pub(super) mod announce;
+mod args;
 mod builder;
 mod connection;
 mod errors;
 mod eviction;
 mod keys;
 mod node;
+mod outbox;
 mod protocol;
 mod rate;
+mod reply;
 mod script;
 mod semaphore;
 mod sentinel;

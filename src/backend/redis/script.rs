@@ -67,7 +67,15 @@ impl Lua {
                     granting: String::new(),
                 };
             }
-            let text = as_script(self.source);
+            // The library is a constant of the build, whose markers a unit test checks.
+            let text = as_script(self.source).unwrap_or_else(|missing| {
+                debug_assert!(false, "the library's script form: {missing}");
+                tracing::error!(
+                    missing,
+                    "the semaphore library's script form could not be made; sent unoptimised"
+                );
+                as_plain_script(self.source)
+            });
             let script = Script::new(&text);
             let name = format!("dlimit_{}", &script.get_hash()[..16]);
             let granting = format!("{name}_grant");
@@ -93,29 +101,73 @@ impl Lua {
 #[cfg(test)]
 impl Lua {
     /// The source, and the script `EVAL` runs of it.
+    ///
+    /// A library's every marker found and used (see [`as_script`]).
     pub(super) fn texts(&self) -> (&'static str, &str) {
-        (self.source, &self.prepared().text)
+        let text = &self.prepared().text;
+        if self.library {
+            assert_eq!(as_script(self.source).as_ref(), Ok(text));
+        }
+        (self.source, text)
     }
 }
+
+/// The lines of a library [`as_script`] rewrites, each a marker it must find: where `run`
+/// starts and ends, where each `step_*` function starts and ends, and the locals `run` sets.
+const RUN_START: &str = "local function run(keys, argv)";
+const RUN_END: &str = "end -- run";
+const STEP_START: (&str, &str) = ("local function step_", "()");
+const STEP_END: &str = "end -- step_";
+const KEYS_LOCAL: &str = "local KEYS, ARGV";
 
 /// A library (lua/semaphore/) as the script `EVAL` runs: the same definitions, each part's
 /// `step_*` body where it stands rather than in a function (the library's `run` calls them in
 /// the order of the parts), then the reply. A script makes every function anew on each call,
 /// with its upvalues: the bodies inlined spare about a third of its instructions.
-fn as_script(library: &str) -> String {
+///
+/// Every marker must be where the rewrite expects it (`run` once, after `KEYS_LOCAL` once;
+/// each step's start followed by its own end, outside `run`; at least one step), else the
+/// error names what is missing: a text left half rewritten would run wrong.
+fn as_script(library: &str) -> Result<String, String> {
     let mut text = String::with_capacity(library.len() + 32);
+    let (mut runs, mut keys_locals, mut steps) = (0, 0, 0);
     let mut in_run = false;
+    // The step whose body is being read, by name.
+    let mut step: Option<&str> = None;
     for line in library.lines() {
-        if line == "local function run(keys, argv)" {
+        if line == RUN_START {
+            if runs > 0 || keys_locals != 1 || step.is_some() {
+                return Err(format!("`{RUN_START}` not once, after `{KEYS_LOCAL}`"));
+            }
+            runs += 1;
             in_run = true;
         }
-        let step = (line.starts_with("local function step_") && line.ends_with("()"))
-            || line.starts_with("end -- step_");
-        let kept = !(in_run || step);
-        if line == "end -- run" {
+        let opened = line
+            .strip_prefix(STEP_START.0)
+            .and_then(|rest| rest.strip_suffix(STEP_START.1));
+        let closed = line.strip_prefix(STEP_END);
+        if let Some(name) = opened {
+            if in_run || step.is_some() {
+                return Err(format!("`{line}` inside `run` or another step"));
+            }
+            step = Some(name);
+        }
+        if let Some(name) = closed {
+            if step != Some(name) {
+                return Err(format!("`{line}` ends no step that started"));
+            }
+            step = None;
+            steps += 1;
+        }
+        let kept = !(in_run || opened.is_some() || closed.is_some());
+        if line == RUN_END {
+            if !in_run {
+                return Err(format!("`{RUN_END}` before `{RUN_START}`"));
+            }
             in_run = false;
         }
-        if line == "local KEYS, ARGV" {
+        if line == KEYS_LOCAL {
+            keys_locals += 1;
             // (EVAL's keys and arguments are globals.)
             text.push_str("local KEYS, ARGV = KEYS, ARGV\n");
         } else if kept {
@@ -123,7 +175,33 @@ fn as_script(library: &str) -> String {
             text.push('\n');
         }
     }
+    if let Some(name) = step {
+        return Err(format!("`{STEP_END}{name}` missing"));
+    }
+    if in_run || runs != 1 {
+        return Err(format!("`{RUN_START}` ... `{RUN_END}` missing"));
+    }
+    if steps == 0 {
+        return Err(format!("no `{}...{}`", STEP_START.0, STEP_START.1));
+    }
     text.push_str("return reply\n");
+    Ok(text)
+}
+
+/// The script form of a library whose markers [`as_script`] did not find: the library as it
+/// is, then the call of its `run` (its functions made anew on every call: slower, the same
+/// answers).
+fn as_plain_script(library: &str) -> String {
+    let mut text = String::with_capacity(library.len() + 64);
+    for line in library.lines() {
+        if line == KEYS_LOCAL {
+            text.push_str("local KEYS, ARGV = KEYS, ARGV\n");
+        } else {
+            text.push_str(line);
+            text.push('\n');
+        }
+    }
+    text.push_str("return run(KEYS, ARGV)\n");
     text
 }
 
@@ -367,5 +445,77 @@ fn first_key(args: &impl Fn(&mut Cmd, bool)) -> Option<Vec<u8>> {
     match command.args_iter().nth(1)? {
         redis::Arg::Simple(key) => Some(key.to_vec()),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A library with every marker `as_script` rewrites.
+    const LIBRARY: &str = "\
+local KEYS, ARGV
+local x
+local function step_a()
+  x = 1
+end -- step_a
+local function helper()
+  return x
+end
+local function step_b()
+  x = x + 1
+end -- step_b
+local function run(keys, argv)
+  KEYS, ARGV = keys, argv
+  step_a()
+  step_b()
+  return reply
+end -- run
+";
+
+    #[test]
+    fn every_marker_is_found_and_used() {
+        let script = as_script(LIBRARY).unwrap();
+        assert_eq!(
+            script,
+            "\
+local KEYS, ARGV = KEYS, ARGV
+local x
+  x = 1
+local function helper()
+  return x
+end
+  x = x + 1
+return reply
+"
+        );
+    }
+
+    #[test]
+    fn a_missing_or_misplaced_marker_is_an_error_not_a_text_left_as_is() {
+        let broken = [
+            ("local KEYS, ARGV\n", ""),
+            ("local function run(keys, argv)\n", ""),
+            ("end -- run\n", ""),
+            ("end -- step_a\n", ""),
+            ("end -- step_b\n", "end -- step_c\n"),
+            ("local function step_b()\n", ""),
+        ];
+        for (marker, instead) in broken {
+            let library = LIBRARY.replacen(marker, instead, 1);
+            assert!(as_script(&library).is_err(), "{marker:?} missing, not seen");
+        }
+        let no_steps = "local KEYS, ARGV\nlocal function run(keys, argv)\nend -- run\n";
+        assert!(as_script(no_steps).is_err());
+        let twice = format!("{LIBRARY}local function run(keys, argv)\nend -- run\n");
+        assert!(as_script(&twice).is_err());
+    }
+
+    #[test]
+    fn a_library_not_rewritten_is_sent_whole_with_the_call_of_its_run() {
+        let script = as_plain_script(LIBRARY);
+        assert!(script.starts_with("local KEYS, ARGV = KEYS, ARGV\nlocal x\n"));
+        assert!(script.contains("local function run(keys, argv)\n"));
+        assert!(script.ends_with("end -- run\nreturn run(KEYS, ARGV)\n"));
     }
 }

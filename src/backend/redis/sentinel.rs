@@ -24,7 +24,7 @@ use crate::sync::lock;
 /// How long the sentinels' word that the master is the one we talk to stays good. A call on
 /// an older word (the process was frozen, the watcher could not reach the sentinels, the
 /// master's connection dropped) asks them first, so no call goes to a deposed master on the
-/// strength of old news. The promotion fence of `lua/semaphore.lua` covers this age.
+/// strength of old news. The promotion fence of `lua/semaphore/fence.lua` covers this age.
 pub(super) const CONFIRM: Duration = Duration::from_secs(1);
 
 /// How much longer the sentinels that have not answered yet are awaited once a majority has:

@@ -1,7 +1,9 @@
--- Part 5 of the semaphore script: the adaptive limit, moved by the hold times of the holders
+-- The adaptive limit, moved by the hold times of the holders
 -- released here (src/adaptive.rs has the same steps, their reasons and their tests). Only
 -- explicit releases are samples: a holder whose lease ran out (a crash) says nothing of the
 -- downstream's latency. A pinned limit (set_limit) does not adapt.
+-- Takes: `finite`, `int` (values.lua); `meta`, `limit`, `now` (args.lua); `changed`,
+-- `pinned`, `adaptive` (meta.lua).
 
 -- The state, read from meta at the first sample of the call and written back with meta.
 local gradient

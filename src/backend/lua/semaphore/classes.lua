@@ -1,4 +1,4 @@
--- Part 2 of the semaphore script (after args.lua): classes. A member's class is its level
+-- Classes. A member's class is its level
 -- (`:c<level>` after its id; 4, NORMAL, without). The line serves a higher level first, each
 -- class in arrival order. With shares (`classes` in meta: `<level>r<n>` reserved, `<level>m<n>`
 -- at most, `tm<n>` at most per tenant, comma-separated; decided with the limit by whoever
@@ -7,6 +7,9 @@
 -- and a class never holds more than its cap. With a per-tenant cap, meta keeps what each
 -- tenant (`:t<16 hex>` after the class) holds in `u:<tenant>`, only while it holds some.
 -- src/class.rs has the same rules and their tests.
+-- Takes: `finite`, `int` (values.lua); `meta`, `limit`, `caller_shares`, `now` (args.lua);
+-- `facts`, `learn` (members.lua); `used`, `arrived`, `stored_limit`, `stored_shares`,
+-- `shares` (meta.lua).
 
 -- A queued member's score: its class's rank (0 for the highest level) times 2^48, then its
 -- arrival, strictly increasing (`arrived`; below 2^48 for centuries: a floor of 1/16 ms since

@@ -1,4 +1,6 @@
--- Part 3 of the semaphore script: the promotion fence after a failover.
+-- The promotion fence after a failover.
+-- Takes: `whole` (values.lua); `KEYS`, `promotion_fence`, `now`, `now_text` (args.lua);
+-- `seen` (meta.lua).
 
 -- A replica promoted to master (a failover) may lack grants the old master made (replication
 -- is asynchronous), and the old master may go on granting to processes that have not heard of

@@ -1,4 +1,8 @@
--- Part 6 of the semaphore script: holders granted, extended and released; an operator's evict.
+-- Holders granted, extended and released; an operator's evict.
+-- Takes: `finite`, `int`, `widen` (values.lua); `holders`, `since`, `op`, `args`, `now`,
+-- `spend` (args.lua); `parse`, `released_member`, `pooled` (members.lua); `used`, `count`,
+-- `fence`, `horizon`, `changed`, `pinned`, `adaptive` (meta.lua); `account` (classes.lua);
+-- `unqueue` (tenants.lua); `due` (sweep.lua); `sample` (adapt.lua).
 
 -- Holders and meta outlive the latest lease by at most half a lease (meta's TTL is set once,
 -- at the end).

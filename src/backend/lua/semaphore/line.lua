@@ -1,5 +1,12 @@
--- Part 7 of the semaphore script: the line, first come first served in each class, higher
--- classes first: waiters admitted, queued, and the retry hint.
+-- The line, first come first served in each class, higher classes first: waiters admitted,
+-- queued, and the retry hint.
+-- Takes: `UNKNOWN`, `HOLDS`, `WAITS` (protocol.lua); `int`, `widen` (values.lua); the keys,
+-- `channel`, `publisher`, `patience`, `claim`, `now`, `work`, `spend`, `left` (args.lua);
+-- `parse`, `tag_of` (members.lua); `fence`, `line`, `alive_at`, `silent_at`, `changed`,
+-- `shares` (meta.lua); `RANK`, `level_of`, `rank_of`, `tenant_of`, `most`, `room`,
+-- `blocked`, `admits` (classes.lua); `tenants`, `PARKED`, `left_line`, `unqueue`, `heal`
+-- (tenants.lua); `fenced_until`, `settled` (fence.lua); `due`, `still_silent` (sweep.lua);
+-- `grant`, `extend` (holders.lua).
 
 -- Admit waiters, each class in arrival order while its oldest fits; forget waiters that
 -- stopped answering (and any whose liveness entry is gone). `granted`: the token of each

@@ -1,5 +1,7 @@
--- Part 8 of the semaphore script: each operation's work and reply, the write-back, and `run`,
--- the whole call.
+-- Each operation's work and reply, the write-back, and `run`, the whole call: last, since
+-- it takes from every file before it: `gcra` (gcra.lua), the reply codes (protocol.lua),
+-- every file's `step_*` and per-call state (the grants, the line's answers: holders.lua,
+-- line.lua), and meta's fields to write back (meta.lua).
 
 -- The operation's reply.
 local reply

@@ -1,5 +1,10 @@
--- Part 4 of the semaphore script: expired holders out, the clamps for a clock stepped back,
--- the silent processes, and the counters checked against the members they count.
+-- The sweep: expired holders out, the clamps for a clock stepped back, the silent
+-- processes, and the counters checked against the members they count.
+-- Takes: `BUDGET`, `MAX_COUNTED`, `UNCOUNTED`, `META_FIELDS` (protocol.lua); `int`
+-- (values.lua); the keys, `limit`, `patience`, `claim`, `caller`, `now`, `work`, `spend`
+-- (args.lua); `parse`, `tag_of` (members.lua); the state (`used`, `count`, `horizon`,
+-- `line`, `seen`, `alive_at`, `silent_at`, `changed`, `shares`: meta.lua); `in_class`,
+-- `tenant_cap`, `account`, `NONE` (classes.lua).
 
 -- When the earliest lease ends (ms; nil when nothing is held): never later than the truth,
 -- since a grant of this call lowers it (holders.lua) and a release or renewal, which would

@@ -1,4 +1,4 @@
--- Part 3 of the semaphore script: tenants, served in turn inside each class. Only a tenant's
+-- Tenants, served in turn inside each class. Only a tenant's
 -- head (its oldest waiter of the class) stands in the class's line; its later waiters are
 -- parked: in `queue` past every class's range (so a lookup finds them; the line never reads
 -- them), and in `tenants` (KEYS[7]), a lex-ordered set of score 0 holding per class and tenant
@@ -7,6 +7,8 @@
 -- joins the line at the back, as a new arrival: one tenant's flood waits behind every other
 -- tenant's next request. The set holds one entry per waiter of a tenant and expires with the
 -- line.
+-- Takes: `int` (values.lua); `KEYS`, `queue`, `alive`, `patience`, `now`, `spend` (args.lua);
+-- `line` (meta.lua); `RANK`, `level_of`, `rank_of`, `next_arrival`, `tenant_of` (classes.lua).
 
 local tenants
 local PARKED = 8 * RANK
