@@ -22,7 +22,7 @@ use redis::RedisError;
 
 use tokio::sync::Notify;
 
-use super::redis::access_problem;
+use super::redis::{access_problem, short};
 use crate::Error;
 use crate::sync::lock;
 
@@ -395,12 +395,6 @@ pub(in crate::backend) fn start<T: Reconnect>(server: &Arc<T>) {
 /// An error that says the server cannot be reached now.
 pub(in crate::backend) fn is_outage(e: &RedisError) -> bool {
     e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout()
-}
-
-/// The error's text without what the client library repeats of its cause.
-pub(in crate::backend) fn short(e: &RedisError) -> String {
-    let text = e.to_string();
-    text.lines().next().unwrap_or_default().to_owned()
 }
 
 /// Spawns the probe unless one runs, on the current tokio runtime (none: the next call that

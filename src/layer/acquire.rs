@@ -1,5 +1,5 @@
-//! The concurrency layer's gate and pass: a request waits for its permit ([`AcquirePermit`])
-//! and, admitted, holds it ([`PermitPass`]) until its response is done.
+//! The concurrency layer's gate: a request waits for its permit ([`AcquirePermit`]) and,
+//! admitted, holds it ([`PermitPass`], `pass.rs`) until its response is done.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,8 +11,8 @@ use super::body::ResponseBody;
 use super::gate::{Gate, Pass};
 use super::headers::insert_rate;
 use super::http::{Answer, HttpSettings};
+use super::pass::PermitPass;
 use super::refusal::{Asked, Refused, RefusedBy};
-use super::spares::{Home, Spares};
 use super::token::FencingToken;
 use crate::backend::RateDecision;
 use crate::rate::Decided;
@@ -144,62 +144,14 @@ impl Gate for AcquirePermit {
     }
 }
 
-/// A request's permit, held while the inner service handles it. One lent by a layer's
-/// [`Spares`] goes back to them when dropped, if they still want it; any other is released as
-/// usual.
-pub struct PermitPass {
-    /// Always `Some` until dropped.
-    permit: Option<Permit>,
-    /// The spares it was lent by.
-    home: Option<Home>,
-    /// The rate limit decided with it (the layer's `rate_limit`), for the `RateLimit` headers.
-    rate: Option<Decided>,
-}
-
-impl std::fmt::Debug for PermitPass {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PermitPass")
-            .field("permit", &self.permit)
-            .field("lent", &self.home.is_some())
-            .finish()
-    }
-}
-
-impl PermitPass {
-    pub(crate) fn new(permit: Permit, rate: Option<Decided>) -> Self {
-        PermitPass {
-            permit: Some(permit),
-            home: None,
-            rate,
-        }
-    }
-
-    /// A spare, lent by the spares it came from.
-    pub(crate) fn lent((permit, home): (Permit, Home)) -> Self {
-        PermitPass {
-            permit: Some(permit),
-            home: Some(home),
-            rate: None,
-        }
-    }
-
-    /// This service's own permit, lent by `spares` from now on, so it goes back there.
-    pub(crate) fn lent_by(mut self, spares: &Spares) -> Self {
-        if self.home.is_none() {
-            self.home = spares.lend();
-        }
-        self
-    }
-}
-
 impl Pass for PermitPass {
     fn token(&self) -> Option<FencingToken> {
-        let token = self.permit.as_ref().map_or(0, Permit::fencing_token);
+        let token = self.permit().map_or(0, Permit::fencing_token);
         Some(FencingToken(token))
     }
 
     fn lost(&self) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
-        let lost = self.permit.as_ref().map(Permit::lost_signal);
+        let lost = self.permit().map(Permit::lost_signal);
         Some(Box::pin(async move {
             match lost {
                 Some(lost) => lost.await,
@@ -209,7 +161,7 @@ impl Pass for PermitPass {
     }
 
     fn mark_overloaded(&self) {
-        if let Some(permit) = &self.permit {
+        if let Some(permit) = self.permit() {
             permit.mark_overloaded();
         }
     }
@@ -221,19 +173,11 @@ impl Pass for PermitPass {
     ) -> Response<ResponseBody<B>> {
         if settings.rate_headers
             && settings.answer == Answer::Http
-            && let Some(decided) = &self.rate
+            && let Some(decided) = self.rate()
         {
             insert_rate(response.headers_mut(), decided);
         }
         let permit = settings.hold_until_body_end.then_some(self);
         response.map(|body| ResponseBody::new(body, permit))
-    }
-}
-
-impl Drop for PermitPass {
-    fn drop(&mut self) {
-        if let (Some(permit), Some(home)) = (self.permit.take(), self.home.take()) {
-            home.give_back(permit);
-        }
     }
 }

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use super::acquire::PermitPass;
+use super::pass::PermitPass;
 
 pin_project! {
     /// The body of a response from [`HttpConcurrencyLimit`](super::HttpConcurrencyLimit).

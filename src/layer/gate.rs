@@ -1,7 +1,7 @@
 //! What a request waits for before the inner service sees it, in both layers, and what it
 //! holds meanwhile: a [`Gate`] yields a [`Pass`]. The concurrency layer's gate takes a permit
 //! ([`AcquirePermit`](super::acquire::AcquirePermit), its pass a
-//! [`PermitPass`](super::acquire::PermitPass)); the rate layer's spends its rate
+//! [`PermitPass`](super::pass::PermitPass)); the rate layer's spends its rate
 //! ([`CheckRate`](crate::rate::check::CheckRate)). The response futures (`future.rs`) are one
 //! state machine over either.
 

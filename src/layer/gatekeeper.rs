@@ -4,8 +4,9 @@
 
 use tower::BoxError;
 
-use super::acquire::{AcquirePermit, PermitPass};
+use super::acquire::AcquirePermit;
 use super::admit::{Admit, sealed::Private};
+use super::pass::PermitPass;
 use super::refusal::{Asked, Refused, RefusedBy};
 use crate::{Error, Priority, RateLimiter};
 

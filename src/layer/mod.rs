@@ -90,6 +90,7 @@ pub(crate) mod http;
 mod key;
 mod layer;
 mod partitions;
+mod pass;
 pub(crate) mod refusal;
 mod reserve;
 mod service;

@@ -6,8 +6,9 @@ use std::task::{Context, Poll, ready};
 
 use sync_wrapper::SyncWrapper;
 
-use super::acquire::{AcquirePermit, PermitPass};
+use super::acquire::AcquirePermit;
 use super::gate::Gate;
+use super::pass::PermitPass;
 use super::refusal::Refused;
 use super::spares::{Spares, Take};
 use crate::{Ask, RateLimiter, Semaphore};

@@ -14,6 +14,7 @@ use super::{Nodes, QuorumBackend};
 use crate::Error;
 use crate::backend::health::{self, Health, Reconnect};
 use crate::backend::redis::announce::{on_push, subscriber};
+use crate::backend::redis::short;
 use crate::backend::redis::{Pushes, manager_config};
 use crate::backend::{ConnectOptions, not_a_url};
 use crate::waitlist::Hub;
@@ -128,7 +129,7 @@ impl QuorumBackendBuilder {
                     node.health.started();
                     continue;
                 }
-                Ok(Err(e)) => health::short(&e),
+                Ok(Err(e)) => short(&e),
                 Err(_) => "no answer within the connect timeout".into(),
             };
             errors.push(format!("{}: {error}", node.health.label()));

@@ -6,7 +6,6 @@ use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 use super::connection::{Nodes, Target};
 use crate::Error;
-use crate::backend::health;
 
 /// A server state that passes by itself: loading its data set after a restart (`LOADING`),
 /// running a long script (`BUSY`), a cluster slot moving (`TRYAGAIN`), no master (`MASTERDOWN`).
@@ -20,7 +19,7 @@ pub(super) fn is_transient(e: &RedisError) -> bool {
 
 /// A first connection that failed: what failed, and what to check.
 pub(super) fn connect_error(e: RedisError, target: &Target, label: &str) -> Error {
-    let text = health::short(&e);
+    let text = short(&e);
     // Only where the message leaves the Redis text out is the error kept as the source: its
     // own chain repeats the text.
     let mut source = None;
@@ -59,6 +58,12 @@ pub(super) fn connect_error(e: RedisError, target: &Target, label: &str) -> Erro
 }
 
 /// Credentials or permissions the server refused, in words that say what to change.
+/// The error's text without what the client library repeats of its cause.
+pub(in crate::backend) fn short(e: &RedisError) -> String {
+    let text = e.to_string();
+    text.lines().next().unwrap_or_default().to_owned()
+}
+
 pub(in crate::backend) fn access_problem(e: &RedisError) -> Option<String> {
     let code = e.code();
     if let Some(refused) = server_detail(e).and_then(|detail| refused_in_script(code, &detail)) {
@@ -166,7 +171,7 @@ pub(super) fn redis_error(e: RedisError, what: &str, label: &str) -> Error {
             .to_owned()
     } else {
         return Error::backend(
-            format!("Redis at {label} rejected `{what}`: {}", health::short(&e)),
+            format!("Redis at {label} rejected `{what}`: {}", short(&e)),
             None,
         );
     };

@@ -37,7 +37,7 @@ mod sentinel;
 
 pub use self::builder::RedisBackendBuilder;
 use self::connection::{Conn, Target};
-pub(super) use self::errors::access_problem;
+pub(super) use self::errors::{access_problem, short};
 use self::eviction::Eviction;
 pub(super) use self::node::{Pushes, manager_config};
 use super::health::{self, Health};

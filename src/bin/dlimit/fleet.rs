@@ -13,7 +13,7 @@ use tower_distributed_limit::{
     PROTOCOL_VERSION, RedisBackend, RedisBackendBuilder, Semaphore, Snapshot,
 };
 
-use crate::Failure;
+use crate::failure::Failure;
 
 /// `RedisBackend`'s default key prefix.
 pub const DEFAULT_PREFIX: &str = "dlimit:";

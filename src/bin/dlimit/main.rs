@@ -16,6 +16,7 @@
 //! refused (exit 1) with what to type instead.
 
 mod commands;
+mod failure;
 mod fleet;
 mod metrics;
 mod page;
@@ -26,8 +27,8 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tower_distributed_limit::Error;
 
+use failure::Failure;
 use fleet::Fleet;
 
 /// Printed by `--help`, and the same in docs/operations.md.
@@ -117,39 +118,6 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:9090")]
         listen: SocketAddr,
     },
-}
-
-/// Why a command did not do what it was asked, by exit code (see [`EXIT_CODES`]).
-#[derive(Debug)]
-pub enum Failure {
-    /// Exit 1: not found, or it needs `--create` / `--yes`, or the library refused the input.
-    Refused(String),
-    /// Exit 3: Redis cannot be reached, or refused the call.
-    Unreachable(String),
-}
-
-impl From<Error> for Failure {
-    fn from(error: Error) -> Failure {
-        match error {
-            Error::Backend(_) => Failure::Unreachable(error.to_string()),
-            other => Failure::Refused(other.to_string()),
-        }
-    }
-}
-
-impl Failure {
-    fn exit_code(&self) -> ExitCode {
-        match self {
-            Failure::Refused(_) => ExitCode::from(1),
-            Failure::Unreachable(_) => ExitCode::from(3),
-        }
-    }
-
-    fn message(&self) -> &str {
-        match self {
-            Failure::Refused(message) | Failure::Unreachable(message) => message,
-        }
-    }
 }
 
 #[tokio::main(flavor = "current_thread")]
