@@ -64,7 +64,7 @@ const PROBE_RAISE: f64 = 1.25;
 ///
 /// The algorithm, its constants and its anchors are in the crate's `docs/adaptive.md`.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{AdaptiveLimit, MemoryBackend, Semaphore};
@@ -183,7 +183,7 @@ impl Gradient {
         self.limit.round() as u32
     }
 
-    /// `count` releases at `now_ms` (holds that ended in a prefetch pool are told together;
+    /// `count` releases at `now_ms` (holds that ended in a prefetch are told together;
     /// else one): each permit was held `mean_ms` on average, `in_flight` was held just before
     /// (their own weight included), and whether a request was overloaded. Closes the window
     /// when it is long and full enough; returns the limit in force.

@@ -7,16 +7,16 @@ use crate::Priority;
 ///
 /// An [`Admit`](crate::layer::Admit) returns one for each request the layer admits.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{Ask, Priority};
 ///
 /// let ask = Ask::new().weight(3).priority(Priority::BATCH).tenant("customer-42");
-/// assert_eq!((ask.permits(), ask.class()), (3, Priority::BATCH));
-/// assert_eq!(ask.tenant_id(), Ask::new().tenant("customer-42").tenant_id());
-/// assert_eq!((Ask::new().permits(), Ask::new().class()), (1, Priority::NORMAL));
-/// assert_eq!(Ask::new().tenant_id(), None);
+/// assert_eq!((ask.get_weight(), ask.get_priority()), (3, Priority::BATCH));
+/// assert_eq!(ask.get_tenant(), Ask::new().tenant("customer-42").get_tenant());
+/// assert_eq!((Ask::new().get_weight(), Ask::new().class()), (1, Priority::NORMAL));
+/// assert_eq!(Ask::new().get_tenant(), None);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
@@ -74,18 +74,22 @@ impl Ask {
         }
     }
 
-    /// Its tenant as the backend knows it (64 bits of its key's SHA-1), if it has one.
-    pub fn tenant_id(&self) -> Option<u64> {
-        self.tenant
+    // The getters are named as `std::process::Command`'s are: `get_` + the setter's name,
+    // since the setter takes the plain one.
+
+    /// How many permits it asks for ([`weight`](Self::weight)).
+    pub fn get_weight(&self) -> u32 {
+        self.weight
     }
 
-    /// Its class.
-    pub fn class(&self) -> Priority {
+    /// Its class ([`priority`](Self::priority)).
+    pub fn get_priority(&self) -> Priority {
         self.priority
     }
 
-    /// How many permits it asks for.
-    pub fn permits(&self) -> u32 {
-        self.weight
+    /// Its tenant as the backend knows it (64 bits of its key's SHA-1), if it has one
+    /// ([`tenant`](Self::tenant)).
+    pub fn get_tenant(&self) -> Option<u64> {
+        self.tenant
     }
 }

@@ -8,7 +8,7 @@ use crate::Error;
 /// How urgent a request is: the line serves a higher class first, and inside a class in
 /// arrival order. Eight levels, 0 (lowest) to 7; [`NORMAL`](Self::NORMAL) is the default.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::Priority;
@@ -64,7 +64,7 @@ impl fmt::Display for Priority {
 /// [`SemaphoreBuilder::class`](crate::SemaphoreBuilder::class). A class without one shares the
 /// pool with every other class.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{MemoryBackend, Priority, Semaphore, Share};

@@ -7,7 +7,7 @@ type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Everything that can go wrong while taking or giving back a permit.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use std::time::Duration;

@@ -14,7 +14,7 @@
 //! - **Fencing tokens** strictly increase per semaphore, so a resource can refuse a holder
 //!   that was paused past its lease.
 //!
-//! # Example
+//! # Examples
 //!
 //! ```no_run
 //! use std::time::Duration;

@@ -6,7 +6,7 @@ use crate::Error;
 /// The longest name of a semaphore or rate limiter, in bytes: a name is part of every key it
 /// keeps in Redis, so none grows without bound.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{MAX_NAME_LEN, MemoryBackend, Semaphore};

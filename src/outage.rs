@@ -20,7 +20,7 @@ use crate::sync::lock;
 /// Only backend failures trigger the policy: a full semaphore still waits or times out as
 /// usual. Once the backend answers again, requests go back to it by themselves.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{MemoryBackend, OutagePolicy, Semaphore};

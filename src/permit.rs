@@ -1,6 +1,6 @@
 //! The permit guard: who holds it, its fencing token, its lease, and release on drop.
 //!
-//! One mechanism gives members back: a [`Claim`] is a member this process may hold or have
+//! One mechanism gives members back: a [`MemberGuard`] is a member this process may hold or have
 //! queued in the backend, released in the background when dropped. An acquisition under way
 //! holds a claim (a cancelled or failed acquire leaks nothing); a [`Permit`] is a claim that
 //! was granted.
@@ -26,7 +26,7 @@ use crate::telemetry::{Op, Telemetry};
 /// [`release`](Permit::release) does it now and reports errors. Either way a holder that dies
 /// without releasing keeps its slot only until its lease ends.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{MemoryBackend, Semaphore};
@@ -47,17 +47,17 @@ use crate::telemetry::{Op, Telemetry};
 /// ```
 #[must_use = "a permit is released as soon as it is dropped"]
 pub struct Permit {
-    claim: Claim,
+    claim: MemberGuard,
     token: u64,
     /// The lease as this process knows it, renewed by the semaphore's keeper.
     lease: Arc<Lease>,
     /// The prefetched slots it returns to when dropped, while they want it back.
-    home: Option<Weak<dyn Home>>,
+    returns_to: Option<Weak<dyn TakesBack>>,
 }
 
 /// Where a permit done with may go instead of back to the backend: its semaphore's prefetch
 /// pool (`semaphore/prefetch.rs`), which keeps the slot held for the next acquire.
-pub(crate) trait Home: Send + Sync {
+pub(crate) trait TakesBack: Send + Sync {
     /// Whether a permit done with may come back rather than go to the backend.
     fn wants_back(&self) -> bool;
 
@@ -66,7 +66,7 @@ pub(crate) trait Home: Send + Sync {
     fn learns(&self) -> bool;
 
     /// `permit`, handed out, is done with; its hold ended as `ending` says (given when the
-    /// home [`learns`](Self::learns)).
+    /// prefetch [`learns`](Self::learns)).
     fn returned(&self, permit: Permit, ending: Option<Ending>);
 }
 
@@ -82,14 +82,14 @@ pub(crate) struct Origin {
 
 /// A member this process may hold or have queued in the backend. Until it is given back (or
 /// disarmed: nothing was added), dropping it releases the member in the background.
-pub(crate) struct Claim {
+pub(crate) struct MemberGuard {
     origin: Arc<Origin>,
     member: Member,
     armed: bool,
     /// When it became a live permit, for `dlimit_permit_hold_seconds`.
     granted: Option<Instant>,
-    /// It sits idle in the prefetch pool: its release ends no hold (no adaptive sample).
-    in_pool: bool,
+    /// It is on hand in the prefetch: its release ends no hold (no adaptive sample).
+    on_hand: bool,
     /// Its grant also spent a rate limit's allowance, in the same backend call, or the layer
     /// checked the rate once it was held: what the rate limit decided.
     rate: Option<RateDecision>,
@@ -98,21 +98,21 @@ pub(crate) struct Claim {
     overloaded: AtomicBool,
 }
 
-impl Claim {
-    /// A fresh member asking `ask`, with the semaphore's lease; `pooled`: its slot may go to
-    /// the prefetch pool.
+impl MemberGuard {
+    /// A fresh member asking `ask`, with the semaphore's lease; `prefetched`: its slot may go to
+    /// the prefetch.
     pub(crate) fn new(
         origin: &Arc<Origin>,
         ask: &crate::Ask,
         lease: Duration,
-        pooled: bool,
+        prefetched: bool,
     ) -> Self {
-        Claim {
+        MemberGuard {
             origin: origin.clone(),
-            member: Member::asking(ask, lease, pooled),
+            member: Member::asking(ask, lease, prefetched),
             armed: true,
             granted: None,
-            in_pool: false,
+            on_hand: false,
             rate: None,
             overloaded: AtomicBool::new(false),
         }
@@ -156,30 +156,30 @@ impl Claim {
             claim: self,
             token,
             lease,
-            home: None,
+            returns_to: None,
         }
     }
 
     /// Held from now on, for the hold time it reports (a prefetched slot handed out).
     fn handed_out(&mut self) {
-        self.in_pool = false;
+        self.on_hand = false;
         if self.granted.is_some() {
             self.granted = Some(Instant::now());
         }
     }
 
     /// The same member, armed, for a new guard; this one is disarmed (its drop does nothing).
-    fn take_over(&mut self) -> Option<Claim> {
+    fn take_over(&mut self) -> Option<MemberGuard> {
         if !self.armed {
             return None;
         }
         self.armed = false;
-        Some(Claim {
+        Some(MemberGuard {
             origin: self.origin.clone(),
             member: self.member.clone(),
             armed: true,
             granted: self.granted,
-            in_pool: self.in_pool,
+            on_hand: self.on_hand,
             rate: None,
             overloaded: AtomicBool::new(false),
         })
@@ -200,10 +200,10 @@ impl Claim {
         Ok(())
     }
 
-    /// How the hold ends now: an adaptive limit's sample (none for a slot idle in the pool).
+    /// How the hold ends now: an adaptive limit's sample (none for a slot on hand in the prefetch).
     fn ending(&self) -> Ending {
         Ending {
-            held: (self.granted.filter(|_| !self.in_pool)).map(|granted| granted.elapsed()),
+            held: (self.granted.filter(|_| !self.on_hand)).map(|granted| granted.elapsed()),
             overloaded: self.overloaded.load(Ordering::Relaxed),
         }
     }
@@ -217,7 +217,7 @@ impl Claim {
     }
 }
 
-impl Drop for Claim {
+impl Drop for MemberGuard {
     fn drop(&mut self) {
         if self.armed {
             self.origin.keeper.forget(&self.member);
@@ -309,7 +309,7 @@ impl Permit {
     /// limit). The layer calls it for you, for the answers
     /// [`overloaded_on_error`](crate::DistributedConcurrencyLimitLayer::overloaded_on_error) (or, over HTTP, [`overloaded_on_status`](crate::DistributedConcurrencyLimitLayer::overloaded_on_status)) names.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{AdaptiveLimit, MemoryBackend, Semaphore};
@@ -352,8 +352,8 @@ impl Permit {
     }
 
     /// Returns to `pool` when dropped (unless someone waits or the pool is full).
-    pub(crate) fn homed(mut self, pool: Weak<dyn Home>) -> Permit {
-        self.home = Some(pool);
+    pub(crate) fn returning_to(mut self, pool: Weak<dyn TakesBack>) -> Permit {
+        self.returns_to = Some(pool);
         self
     }
 
@@ -362,14 +362,14 @@ impl Permit {
         self.claim.member()
     }
 
-    /// Idle in the prefetch pool until handed out: released from there, it ends no hold.
-    pub(crate) fn idle(&mut self) {
-        self.claim.in_pool = true;
+    /// Idle in the prefetch until handed out: released from there, it ends no hold.
+    pub(crate) fn on_hand(&mut self) {
+        self.claim.on_hand = true;
     }
 
     /// Released to the backend when dropped, whatever its pool wants.
-    pub(crate) fn unhome(&mut self) {
-        self.home = None;
+    pub(crate) fn forget_return(&mut self) {
+        self.returns_to = None;
     }
 }
 
@@ -377,7 +377,7 @@ impl Drop for Permit {
     fn drop(&mut self) {
         // Back to its pool while the pool wants it: the slot stays held, renewed by the
         // keeper, for the next acquire. Otherwise the claim's drop releases it.
-        let Some(pool) = self.home.as_ref().and_then(Weak::upgrade) else {
+        let Some(pool) = self.returns_to.as_ref().and_then(Weak::upgrade) else {
             return;
         };
         if self.is_lost() || !pool.wants_back() {
@@ -392,7 +392,7 @@ impl Drop for Permit {
                     claim,
                     token: self.token,
                     lease: self.lease.clone(),
-                    home: self.home.clone(),
+                    returns_to: self.returns_to.clone(),
                 },
                 ending,
             );

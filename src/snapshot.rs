@@ -9,7 +9,7 @@ use crate::class::Classes;
 /// A semaphore now, across every process: the limit every process admits by, the weight held,
 /// how many wait, and every holder.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{MemoryBackend, Semaphore};
@@ -190,9 +190,9 @@ pub struct Holder {
     pub process: String,
     /// Its class ([`Priority::NORMAL`](crate::Priority::NORMAL) unless it asked for another).
     pub class: Priority,
-    /// Its slot belongs to its process's prefetch pool
+    /// Its slot belongs to its process's prefetch
     /// ([`SemaphoreBuilder::prefetch`](crate::SemaphoreBuilder::prefetch)): held ahead of
-    /// need, idle there or handed out to a request, and given back once anyone waits.
+    /// need, on hand there or handed out to a request, and given back once anyone waits.
     pub prefetched: bool,
 }
 
@@ -213,7 +213,7 @@ impl Holder {
             lease_remaining,
             process,
             class: read.class,
-            prefetched: read.pooled,
+            prefetched: read.prefetched,
         })
     }
 }

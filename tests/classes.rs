@@ -109,7 +109,7 @@ async fn a_cap_is_never_passed_under_a_hammer((a, b): (Semaphore, Semaphore)) {
         tasks.spawn(async move {
             for _ in 0..10 {
                 let ask = if i % 4 == 0 { Ask::new() } else { batch() };
-                let is_batch = ask.class() == Priority::BATCH;
+                let is_batch = ask.get_priority() == Priority::BATCH;
                 let permit = sem.acquire_with(ask).await.unwrap();
                 if is_batch {
                     let now = batch_in.fetch_add(1, Ordering::SeqCst) + 1;

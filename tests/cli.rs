@@ -366,7 +366,7 @@ async fn show_tells_the_classes_and_the_tenants_waiting() {
         "{show}"
     );
     assert!(show.contains("class batch: 0 used, 1 waiting"), "{show}");
-    let tenant = format!("{:016x}", acme.tenant_id().unwrap());
+    let tenant = format!("{:016x}", acme.get_tenant().unwrap());
     assert!(
         show.contains(&format!("tenant {tenant}: 1 waiting")),
         "{show}"

@@ -334,7 +334,7 @@ async fn the_page_shows_classes_tenants_a_claim_window_and_a_rate_limiter_betwee
     let Some(dom) = server.dom().await else {
         return;
     };
-    let acme = format!("{:016x}", Ask::new().tenant("acme").tenant_id().unwrap());
+    let acme = format!("{:016x}", Ask::new().tenant("acme").get_tenant().unwrap());
     for class in ["critical", "normal"] {
         assert!(
             dom.contains(&format!("data-class=\"{class}\"")),
@@ -345,7 +345,7 @@ async fn the_page_shows_classes_tenants_a_claim_window_and_a_rate_limiter_betwee
         dom.contains(&format!("data-tenant=\"{acme}\"")),
         "the waiting tenant, by its Ask::tenant_id: {dom}"
     );
-    assert!(dom.contains("Ask::new().tenant(key).tenant_id()"), "{dom}");
+    assert!(dom.contains("Ask::new().tenant(key).get_tenant()"), "{dom}");
     assert!(
         dom.contains("class=\"badge claim\""),
         "the frozen child's grant is marked as in its claim window: {dom}"

@@ -547,7 +547,7 @@ async fn a_snapshot_shows_each_class_and_the_busiest_tenants(backend: impl Backe
     let tenants: Vec<_> = (snapshot.tenants_waiting.iter())
         .map(|t| (t.tenant, t.waiting))
         .collect();
-    let id = |key: &str| of(key).tenant_id().unwrap();
+    let id = |key: &str| of(key).get_tenant().unwrap();
     assert_eq!(tenants, [(id("acme"), 3), (id("globex"), 1)]);
     tasks.abort_all();
 }

@@ -42,7 +42,7 @@ pub trait RateBackend: sealed::OpenRate + Send + Sync + 'static {}
 
 /// What one rate check decided.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use std::time::Duration;

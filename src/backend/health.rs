@@ -44,7 +44,7 @@ const DENIAL_SHOWN: Duration = Duration::from_secs(60);
 /// What a readiness probe needs to know of a backend's server, from
 /// [`RedisBackend::status`](crate::RedisBackend::status).
 ///
-/// # Example
+/// # Examples
 ///
 /// ```no_run
 /// use tower_distributed_limit::{BackendStatus, RedisBackend};

@@ -14,7 +14,7 @@ use crate::{Ask, Priority};
 /// `:c<level>` after the id for a class other than [`Priority::NORMAL`], then `:t<16 hex>`
 /// for a tenant, then `:p` for a slot a prefetching process may keep in its pool, so any
 /// process that admits it from the line knows its class, tenant, weight and lease (and an
-/// operator which holders are pooled). Equal when the text is.
+/// operator which holders are prefetched). Equal when the text is.
 #[derive(Clone, Debug)]
 pub(crate) struct Member {
     pub(crate) text: Arc<str>,
@@ -22,8 +22,8 @@ pub(crate) struct Member {
     pub(crate) lease: Duration,
     pub(crate) priority: Priority,
     pub(crate) tenant: Option<u64>,
-    /// Its slot may go to this process's prefetch pool (`:p` in the text).
-    pub(crate) pooled: bool,
+    /// Its slot may go to this process's prefetch (`:p` in the text).
+    pub(crate) prefetched: bool,
 }
 
 /// The random id's length: 128 bits in hex.
@@ -48,9 +48,9 @@ impl Member {
     }
 
     /// A fresh holder id, never reused (this process's tag, then 96 random bits), for `ask`;
-    /// `pooled`: its slot may go to this process's prefetch pool.
-    pub(crate) fn asking(ask: &Ask, lease: Duration, pooled: bool) -> Self {
-        let (weight, priority) = (ask.permits(), ask.class());
+    /// `prefetched`: its slot may go to this process's prefetch.
+    pub(crate) fn asking(ask: &Ask, lease: Duration, prefetched: bool) -> Self {
+        let (weight, priority) = (ask.get_weight(), ask.get_priority());
         use std::fmt::Write;
         const HEX: &[u8; 16] = b"0123456789abcdef";
         // By hand: `{:032x}` of a u128 is a measurable share of an in-process acquire.
@@ -66,10 +66,10 @@ impl Member {
         if priority != Priority::NORMAL {
             let _ = write!(text, ":c{}", priority.level());
         }
-        if let Some(tenant) = ask.tenant_id() {
+        if let Some(tenant) = ask.get_tenant() {
             let _ = write!(text, ":t{tenant:016x}");
         }
-        if pooled {
+        if prefetched {
             text.push_str(":p");
         }
         let _ = write!(text, ":{weight}:{}", lease.as_millis());
@@ -78,8 +78,8 @@ impl Member {
             weight,
             lease,
             priority,
-            tenant: ask.tenant_id(),
-            pooled,
+            tenant: ask.get_tenant(),
+            prefetched,
         }
     }
 
@@ -94,13 +94,13 @@ impl Member {
             id,
             class: Priority::NORMAL,
             weight: weight.parse().ok()?,
-            pooled: false,
+            prefetched: false,
         };
         for part in parts {
             if let Some(level) = part.strip_prefix('c') {
                 read.class = Priority::new(level.parse().ok()?);
             }
-            read.pooled |= part == "p";
+            read.prefetched |= part == "p";
         }
         Some(read)
     }
@@ -118,7 +118,7 @@ pub(crate) struct Read<'a> {
     pub(crate) class: Priority,
     pub(crate) weight: u32,
     /// Its slot may sit in a prefetching process's pool.
-    pub(crate) pooled: bool,
+    pub(crate) prefetched: bool,
 }
 
 impl PartialEq for Member {
@@ -151,12 +151,12 @@ mod tests {
         assert_eq!(member.id(), id);
         assert_eq!(id[..TAG_LEN], format!("{:08x}", process_tag()));
         assert_ne!(Member::new(3, Duration::from_millis(1500)), member);
-        fn read(text: &str, class: Priority, weight: u32, pooled: bool) -> Option<Read<'_>> {
+        fn read(text: &str, class: Priority, weight: u32, prefetched: bool) -> Option<Read<'_>> {
             Some(Read {
                 id: &text[..ID_LEN],
                 class,
                 weight,
-                pooled,
+                prefetched,
             })
         }
         let batch = Ask::new().weight(2).priority(Priority::BATCH);
@@ -173,17 +173,20 @@ mod tests {
         );
         let tenant = Ask::new().priority(Priority::BATCH).tenant("acme");
         let member = Member::asking(&tenant, Duration::from_millis(900), false);
-        let hex = format!(":c2:t{:016x}:1:900", tenant.tenant_id().unwrap_or_default());
+        let hex = format!(
+            ":c2:t{:016x}:1:900",
+            tenant.get_tenant().unwrap_or_default()
+        );
         assert_eq!(&member.text[ID_LEN..], hex);
         assert_eq!(
             Member::read(&member.text),
             read(&member.text, Priority::BATCH, 1, false)
         );
-        let pooled = Member::asking(&Ask::new(), Duration::from_millis(900), true);
-        assert_eq!(&pooled.text[ID_LEN..], ":p:1:900");
+        let prefetched = Member::asking(&Ask::new(), Duration::from_millis(900), true);
+        assert_eq!(&prefetched.text[ID_LEN..], ":p:1:900");
         assert_eq!(
-            Member::read(&pooled.text),
-            read(&pooled.text, Priority::NORMAL, 1, true)
+            Member::read(&prefetched.text),
+            read(&prefetched.text, Priority::NORMAL, 1, true)
         );
         assert_eq!(Member::read("junk"), None);
     }

@@ -33,7 +33,7 @@ pub use self::gcra::{RateBackend, RateDecision};
 /// The trait is sealed: its methods are the crate's own business, so the backends can evolve
 /// without breaking callers.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{Backend, MemoryBackend, Semaphore};

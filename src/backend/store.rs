@@ -86,7 +86,7 @@ pub(crate) struct Ending {
 }
 
 /// Holds that ended in this process without a release: their slots went back to its
-/// prefetch pool, still held. An adaptive limit's samples: `count` holds of `mean` each.
+/// prefetch, still held. An adaptive limit's samples: `count` holds of `mean` each.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Samples {
     pub(crate) count: u32,

@@ -53,7 +53,7 @@ impl AcquirePermit {
         }
         let asked = Asked {
             limit: semaphore.limit(),
-            class: ask.class(),
+            class: ask.get_priority(),
         };
         let refused = move |error| Refused {
             error,
@@ -109,7 +109,7 @@ async fn with_rate(
             limiter.decided_with_acquire(decision);
             *decision
         }
-        None => match limiter.check_n(ask.permits()).await {
+        None => match limiter.check_n(ask.get_weight()).await {
             Ok(decision) if decision.allowed => decision,
             Ok(decision) => {
                 drop(permit);

@@ -17,7 +17,7 @@ use crate::{Ask, Error, Priority, Semaphore};
 /// [`Error::BadKey`] for a request whose key is missing or invalid (400 in the HTTP flavor);
 /// any other error (a partition that cannot be built) is answered like a failing backend.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{Ask, Error, MemoryBackend, Semaphore};
@@ -45,7 +45,7 @@ use crate::{Ask, Error, Priority, Semaphore};
 ///     pages: Semaphore::builder("pages").limit(100).build(backend)?,
 /// };
 /// let (sem, ask) = routes.admit(&http::Request::builder().uri("/upload").body(()).unwrap())?;
-/// assert_eq!((sem.name(), ask.permits()), ("uploads", 1));
+/// assert_eq!((sem.name(), ask.get_weight()), ("uploads", 1));
 /// # Ok::<(), Error>(())
 /// ```
 pub trait Admit<R> {
@@ -71,7 +71,7 @@ impl<R> Admit<R> for Semaphore {
 /// request, given to [`weight_by`](super::DistributedConcurrencyLimitLayer::weight_by) (and
 /// to the rate layer's `weight_by`, as the request's cost).
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::layer::{Unweighted, Weigh};
@@ -120,7 +120,7 @@ impl<R> Weigh<R> for Unweighted {
 /// let gpu = Semaphore::builder("gpu").limit(20).build(MemoryBackend::new()).unwrap();
 /// let weighted = Weighted::new(gpu, |images: &u32| *images);
 /// let (_, ask) = weighted.admit(&8).unwrap();
-/// assert_eq!(ask.permits(), 8);
+/// assert_eq!(ask.get_weight(), 8);
 /// ```
 #[derive(Debug, Clone)]
 pub struct Weighted<A, W> {
@@ -198,8 +198,8 @@ where
 /// let jobs = Semaphore::builder("jobs").limit(20).build(MemoryBackend::new()).unwrap();
 /// let by_customer = Tenanted::new(jobs, |job: &Job| job.customer.clone());
 /// let ask = by_customer.admit(&Job { customer: Some("acme".into()) }).unwrap().1;
-/// assert_eq!(ask.tenant_id(), Ask::new().tenant("acme").tenant_id());
-/// assert_eq!(by_customer.admit(&Job { customer: None }).unwrap().1.tenant_id(), None);
+/// assert_eq!(ask.get_tenant(), Ask::new().tenant("acme").get_tenant());
+/// assert_eq!(by_customer.admit(&Job { customer: None }).unwrap().1.get_tenant(), None);
 /// ```
 #[derive(Debug, Clone)]
 pub struct Tenanted<A, K> {
@@ -296,16 +296,16 @@ mod tests {
     #[test]
     fn a_semaphore_admits_one_permit_of_itself() {
         let (sem, ask) = Admit::<()>::admit(&semaphore(), &()).unwrap();
-        assert_eq!((sem.name(), ask.permits()), ("admit", 1));
+        assert_eq!((sem.name(), ask.get_weight()), ("admit", 1));
     }
 
     #[test]
     fn weighted_sets_the_weight_and_keeps_the_semaphore() {
         let weighted = Weighted::new(semaphore(), |n: &u32| n * 2);
         let (sem, ask) = weighted.admit(&4).unwrap();
-        assert_eq!((sem.name(), ask.permits()), ("admit", 8));
+        assert_eq!((sem.name(), ask.get_weight()), ("admit", 8));
         // The outer weight wins over an inner one.
         let twice = Weighted::new(weighted, |_: &u32| 3);
-        assert_eq!(twice.admit(&4).unwrap().1.permits(), 3);
+        assert_eq!(twice.admit(&4).unwrap().1.get_weight(), 3);
     }
 }

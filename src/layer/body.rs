@@ -17,7 +17,7 @@ pin_project! {
     /// it holds the request's permit until the inner body ends, fails or is dropped, so a streamed
     /// response keeps its slot until its last byte.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use http_body_util::BodyExt;

@@ -73,7 +73,7 @@ impl<A> Gatekeeper<A> {
             Err(error) => return AcquirePermit::done(Err(error.into())),
         };
         if self.admit.reserves(Private).is_none() {
-            let rate = self.rate_for(ask.class());
+            let rate = self.rate_for(ask.get_priority());
             return AcquirePermit::start(semaphore, ask, self.wait, rate);
         }
         AcquirePermit::done(reserved.unwrap_or_else(|| {
@@ -84,7 +84,7 @@ impl<A> Gatekeeper<A> {
                 ),
                 by: RefusedBy::Semaphore(Asked {
                     limit: semaphore.limit(),
-                    class: ask.class(),
+                    class: ask.get_priority(),
                 }),
             })
         }))

@@ -40,7 +40,7 @@ use crate::{Priority, Semaphore};
 ///
 /// Every builder method works in any order and on every flavor.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower::{ServiceBuilder, ServiceExt, service_fn};
@@ -72,7 +72,7 @@ pub struct DistributedConcurrencyLimitLayer<Flavor = Plain, Admission = Semaphor
 /// [`http`](DistributedConcurrencyLimitLayer::http): refusals are answered with a response,
 /// and the permit lives until the response body ends.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use std::time::Duration;

@@ -46,7 +46,7 @@ pub enum WithoutKey {
 /// [`max_key_len`](PartitionsBuilder::max_key_len) bytes is refused like a missing one would be
 /// under [`WithoutKey::Reject`].
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use http::HeaderName;

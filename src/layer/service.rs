@@ -28,7 +28,7 @@ use crate::{Priority, Semaphore};
 /// [`Error::BadKey`](crate::Error::BadKey) for a missing or invalid partition key,
 /// [`Error::Config`](crate::Error::Config) for a weight of 0 or above the limit.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower::{Service, ServiceExt, service_fn};
@@ -61,7 +61,7 @@ pub struct DistributedConcurrencyLimit<S, Flavor = Plain, Admission = Semaphore>
 /// The inner service's errors pass through unchanged, so an axum `Router` keeps its
 /// `Infallible` error and needs no `HandleErrorLayer`.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower::{Service, ServiceExt, service_fn};

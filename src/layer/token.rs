@@ -23,7 +23,7 @@ tokio::task_local! {
 ///   feature, a handler taking `FencingToken` fails to compile with axum's opaque
 ///   "`Handler<_, _>` is not implemented"; enable the feature or use `Extension`.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower::{ServiceBuilder, ServiceExt, service_fn};

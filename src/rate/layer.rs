@@ -38,7 +38,7 @@ use crate::layer::{Accepts, HeaderKey, Http, Plain, Unkeyed, Unweighted};
 /// batch one. To let a class skip the rate, use the concurrency layer's `rate_limit` with
 /// [`rate_limit_exempt`](crate::DistributedConcurrencyLimitLayer::rate_limit_exempt).
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use std::time::Duration;

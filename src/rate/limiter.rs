@@ -23,7 +23,7 @@ const MAX_KEY_LEN: usize = 256;
 /// Stack it with a [`Semaphore`](crate::Semaphore): the rate limit caps how many requests
 /// *start* per second, the semaphore how many *run at once*.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use std::time::Duration;
@@ -84,7 +84,7 @@ impl std::fmt::Debug for RateLimiter {
 
 /// Settings for a [`RateLimiter`]; made by [`RateLimiter::builder`].
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use std::time::Duration;

@@ -26,7 +26,7 @@ pub(super) struct Shared<Flavor, Key, Cost> {
 /// The service made by [`DistributedRateLimitLayer`](super::DistributedRateLimitLayer): one
 /// rate check per request, then the inner service.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use std::time::Duration;

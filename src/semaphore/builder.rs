@@ -45,7 +45,7 @@ pub(super) struct Checked {
 /// Settings for a [`Semaphore`](crate::Semaphore); made by
 /// [`Semaphore::builder`](crate::Semaphore::builder).
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{Error, MemoryBackend, Semaphore};
@@ -87,7 +87,7 @@ impl SemaphoreBuilder {
     /// are samples too. [`Semaphore::set_limit`](crate::Semaphore::set_limit) pins the limit: it stops adapting until the
     /// semaphore falls idle and is opened again.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{AdaptiveLimit, MemoryBackend, Semaphore};
@@ -123,7 +123,7 @@ impl SemaphoreBuilder {
     /// silent process's other waiters are passed over until it is heard from again. Raise it
     /// when processes may be slower than this to answer (a heavily loaded host).
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use std::time::Duration;
@@ -169,7 +169,7 @@ impl SemaphoreBuilder {
     /// each up to its reservation, until the limit is back above their sum; the others' acquires
     /// are refused at once with an [`Error::Config`] naming their class, not left to wait.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{Ask, MemoryBackend, Priority, Semaphore, Share};
@@ -200,7 +200,7 @@ impl SemaphoreBuilder {
     /// tenant's next request waits behind every other tenant's next one, so one tenant's flood
     /// never fills the line.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{Ask, MemoryBackend, Semaphore, Share};
@@ -246,7 +246,7 @@ impl SemaphoreBuilder {
     /// idle is none. A [`QuorumBackend`](crate::QuorumBackend) does not tell of waiters:
     /// nothing is prefetched there.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{MemoryBackend, Semaphore};

@@ -11,7 +11,7 @@ use tracing::Instrument;
 use crate::backend::{Attempt, Backend, Mode, Opened, Rated};
 use crate::keeper::Keeper;
 use crate::outage::OutageLog;
-use crate::permit::{Claim, Origin, Permit};
+use crate::permit::{MemberGuard, Origin, Permit};
 use crate::snapshot::Snapshot;
 use crate::telemetry::{Op, Outcome, Telemetry};
 use crate::waitlist::{Waitlist, Wake};
@@ -22,7 +22,7 @@ mod prefetch;
 
 pub use self::builder::SemaphoreBuilder;
 use self::builder::{Checked, Settings};
-use self::prefetch::{Pool, Source};
+use self::prefetch::{Prefetch, Source};
 
 /// A counting semaphore shared by every process that builds one with the same name on the same
 /// backend: at most [`limit`](Semaphore::limit) permits are out at once, across all of them.
@@ -30,7 +30,7 @@ use self::prefetch::{Pool, Source};
 /// Cheap to clone; clones share everything. Permits are [`Permit`] guards: dropping one gives
 /// it back. A holder that dies keeps its slot only until its lease runs out.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use std::time::Duration;
@@ -72,7 +72,7 @@ struct Core {
     outage_log: OutageLog,
     /// The slots taken ahead of need (`SemaphoreBuilder::prefetch`), where the backend tells
     /// whether anyone waits.
-    prefetch: Option<Arc<Pool>>,
+    prefetch: Option<Arc<Prefetch>>,
 }
 
 impl std::fmt::Debug for Semaphore {
@@ -146,7 +146,7 @@ impl Semaphore {
             .flatten()
             .map(|crowding| {
                 let adaptive = settings.adaptive.is_some();
-                Pool::new(settings.prefetch, origin.store.clone(), crowding, adaptive)
+                Prefetch::new(settings.prefetch, origin.store.clone(), crowding, adaptive)
             });
         Semaphore {
             inner: Arc::new(Core {
@@ -235,7 +235,7 @@ impl Semaphore {
     ///
     /// As [`acquire_with`](Self::acquire_with).
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{MemoryBackend, Priority, Semaphore, Share};
@@ -266,7 +266,7 @@ impl Semaphore {
     /// As [`acquire_many`](Self::acquire_many); [`Error::Config`] names the class when the
     /// weight is above what its class may ever hold.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{Ask, MemoryBackend, Priority, Semaphore};
@@ -289,8 +289,8 @@ impl Semaphore {
     /// semaphore, the weight and the mode; its outcome and wait are recorded when it ends.
     fn span(&self, ask: &Ask, mode: &'static str) -> tracing::Span {
         tracing::debug_span!(target: "tower_distributed_limit::acquire", "acquire",
-            semaphore = %self.inner.settings.name, weight = ask.permits(),
-            class = %ask.class(), mode,
+            semaphore = %self.inner.settings.name, weight = ask.get_weight(),
+            class = %ask.get_priority(), mode,
             outcome = tracing::field::Empty, wait_ms = tracing::field::Empty)
     }
 
@@ -309,7 +309,7 @@ impl Semaphore {
             .filter(|limiter| self.inner.origin.store.combines(limiter))
             .map(|limiter| Rated {
                 limiter,
-                cost: ask.permits(),
+                cost: ask.get_weight(),
             });
         if wait {
             self.acquire_asked(ask, rated.as_ref()).await
@@ -330,7 +330,7 @@ impl Semaphore {
             let started = Instant::now();
             let deadline = deadline_after(started, self.inner.settings.acquire_timeout);
             let result = match self.wait_for(ask, started, deadline, rate).await {
-                Err(e @ Error::Backend(_)) => match self.fallback(e, ask.permits()) {
+                Err(e @ Error::Backend(_)) => match self.fallback(e, ask.get_weight()) {
                     Ok(fallback) => fallback.wait_for(ask, started, deadline, None).await,
                     Err(e) => Err(e),
                 },
@@ -342,7 +342,7 @@ impl Semaphore {
                 }
             };
             self.report(ask, result.as_ref().map(Some), started);
-            result.map(|permit| self.homed(permit, ask, rate.is_some()))
+            result.map(|permit| self.returning_to_prefetch(permit, ask, rate.is_some()))
         }
         .instrument(self.span(ask, "wait"))
         .await
@@ -364,7 +364,7 @@ impl Semaphore {
             Err(_) => return,
         };
         let waited = started.elapsed();
-        telemetry.acquire(ask.class(), outcome, waited);
+        telemetry.acquire(ask.get_priority(), outcome, waited);
         if let Some(limit) = self.inner.origin.store.limit_in_force() {
             telemetry.limit(limit);
         }
@@ -403,6 +403,36 @@ impl Semaphore {
         self.try_asked(&Ask::new().weight(weight), None).await
     }
 
+    /// One attempt at one permit in class `priority`: `Ok(None)` when it does not fit now, or
+    /// when others of its class or a higher one wait.
+    ///
+    /// # Errors
+    ///
+    /// As [`try_acquire_many`](Self::try_acquire_many).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_distributed_limit::{MemoryBackend, Priority, Semaphore, Share};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), tower_distributed_limit::Error> {
+    /// let sem = Semaphore::builder("gpu")
+    ///     .limit(2)
+    ///     .class(Priority::CRITICAL, Share::reserved(1))
+    ///     .build(MemoryBackend::new())?;
+    /// let _one = sem.try_acquire().await?.expect("one slot is not reserved");
+    /// assert!(sem.try_acquire().await?.is_none()); // the other is CRITICAL's
+    /// assert!(sem.try_acquire_as(Priority::CRITICAL).await?.is_some());
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`try_acquire`](Self::try_acquire).
+    pub async fn try_acquire_as(&self, priority: Priority) -> Result<Option<Permit>, Error> {
+        self.try_acquire_with(Ask::new().priority(priority)).await
+    }
+
     /// One attempt at what `ask` asks: `Ok(None)` when it does not fit now, or when others
     /// of its class or a higher one wait.
     ///
@@ -410,7 +440,7 @@ impl Semaphore {
     ///
     /// As [`try_acquire_many`](Self::try_acquire_many).
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{Ask, MemoryBackend, Priority, Semaphore, Share};
@@ -443,7 +473,7 @@ impl Semaphore {
             self.check_weight(ask)?;
             let started = Instant::now();
             let result = match self.try_once(ask, rate).await {
-                Err(e @ Error::Backend(_)) => match self.fallback(e, ask.permits()) {
+                Err(e @ Error::Backend(_)) => match self.fallback(e, ask.get_weight()) {
                     Ok(fallback) => fallback.try_once(ask, None).await,
                     Err(e) => Err(e),
                 },
@@ -455,7 +485,9 @@ impl Semaphore {
                 }
             };
             self.report(ask, result.as_ref().map(Option::as_ref), started);
-            result.map(|permit| permit.map(|permit| self.homed(permit, ask, rate.is_some())))
+            result.map(|permit| {
+                permit.map(|permit| self.returning_to_prefetch(permit, ask, rate.is_some()))
+            })
         }
         .instrument(self.span(ask, "once"))
         .await
@@ -496,19 +528,21 @@ impl Semaphore {
     /// A weight above the limit in force for every process (set, or adapted, below the one this
     /// process knows of).
     fn too_heavy(&self, ask: &Ask, limit: u32) -> Error {
-        let weight = ask.permits();
+        let weight = ask.get_weight();
         let name = &self.inner.settings.name;
         let classes = &self.inner.settings.classes;
         if classes.any() {
             let tenant = match classes.tenant_cap() {
-                Some(cap) if ask.tenant_id().is_some() => format!(" and its tenant's cap of {cap}"),
+                Some(cap) if ask.get_tenant().is_some() => {
+                    format!(" and its tenant's cap of {cap}")
+                }
                 _ => String::new(),
             };
             return Error::config(format!(
                 "cannot take {weight} permits of semaphore {name:?} in class {}: the most that \
                  class may hold beside the others' reservations under the limit in force{tenant} \
                  is {limit} now; take at most {limit}",
-                ask.class()
+                ask.get_priority()
             ));
         }
         Error::config(format!(
@@ -544,7 +578,7 @@ impl Semaphore {
     /// limit stays until [`unset_limit`](Self::unset_limit). On a semaphore whose limit [adapts](crate::SemaphoreBuilder::adaptive),
     /// `set_limit` pins it: it stays where it was set and stops adapting.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{MemoryBackend, Semaphore};
@@ -580,7 +614,7 @@ impl Semaphore {
     /// limit adapts again from there. A semaphore not pinned is left as it is. On a quorum,
     /// every process admits by its own configured limit again.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{MemoryBackend, Semaphore};
@@ -675,7 +709,7 @@ impl Semaphore {
     /// refused here; the backend refuses one above the limit in force now.
     fn check_weight(&self, ask: &Ask) -> Result<(), Error> {
         let settings = &self.inner.settings;
-        let weight = ask.permits();
+        let weight = ask.get_weight();
         let most = (settings.limit)
             .max(settings.adaptive.map_or(0, |adaptive| adaptive.max))
             .max(self.inner.origin.store.limit_in_force().unwrap_or(0));
@@ -685,17 +719,26 @@ impl Semaphore {
                 settings.name
             )));
         }
-        let tenant = ask.tenant_id().is_some();
-        if settings.classes.any() && weight > settings.classes.most(ask.class(), tenant, most) {
-            return Err(self.too_heavy(ask, settings.classes.most(ask.class(), tenant, most)));
+        let tenant = ask.get_tenant().is_some();
+        if settings.classes.any()
+            && weight > settings.classes.most(ask.get_priority(), tenant, most)
+        {
+            return Err(
+                self.too_heavy(ask, settings.classes.most(ask.get_priority(), tenant, most))
+            );
         }
         Ok(())
     }
 
     /// A fresh member for `ask`, marked as the pool's when its slot may go there.
-    fn claim(&self, ask: &Ask, rated: bool) -> Claim {
-        let pooled = self.plain_pool(ask, rated).is_some();
-        Claim::new(&self.inner.origin, ask, self.inner.settings.lease, pooled)
+    fn claim(&self, ask: &Ask, rated: bool) -> MemberGuard {
+        let prefetched = self.prefetch_for(ask, rated).is_some();
+        MemberGuard::new(
+            &self.inner.origin,
+            ask,
+            self.inner.settings.lease,
+            prefetched,
+        )
     }
 
     /// Waits for a permit until `deadline`. A grant that reached this process only after its
@@ -820,7 +863,7 @@ impl Semaphore {
     /// tenant or a rate decided with it, while nobody waits. Tops the pool up in the
     /// background when it runs low.
     fn prefetched(&self, ask: &Ask, rated: bool) -> Option<Permit> {
-        let pool = self.plain_pool(ask, rated)?;
+        let pool = self.prefetch_for(ask, rated)?;
         let permit = pool.hand_out()?;
         pool.refill(self);
         Some(permit)
@@ -829,17 +872,17 @@ impl Semaphore {
     /// `permit`, granted for `ask` by the backend (the pool had none), returns to the pool
     /// when done with, if prefetching serves `ask`; the pool is topped up now that this
     /// acquire has its slot (not before: the refill would take the slot it needs).
-    fn homed(&self, permit: Permit, ask: &Ask, rated: bool) -> Permit {
-        match self.plain_pool(ask, rated) {
+    fn returning_to_prefetch(&self, permit: Permit, ask: &Ask, rated: bool) -> Permit {
+        match self.prefetch_for(ask, rated) {
             Some(pool) if !permit.is_degraded() => {
                 pool.refill(self);
-                permit.homed(Arc::<Pool>::downgrade(pool))
+                permit.returning_to(Arc::<Prefetch>::downgrade(pool))
             }
             _ => permit,
         }
     }
 
-    fn plain_pool(&self, ask: &Ask, rated: bool) -> Option<&Arc<Pool>> {
+    fn prefetch_for(&self, ask: &Ask, rated: bool) -> Option<&Arc<Prefetch>> {
         let pool = self.inner.prefetch.as_ref()?;
         (!rated && *ask == Ask::new()).then_some(pool)
     }

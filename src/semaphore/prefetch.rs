@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::backend::{Ending, Samples, Store};
-use crate::permit::{Home, Permit};
+use crate::permit::{Permit, TakesBack};
 use crate::sync::lock;
 
 /// How often a process holding prefetched slots asks the backend whether anyone waits, when
@@ -21,13 +21,13 @@ use crate::sync::lock;
 const CHECK: Duration = Duration::from_millis(50);
 
 /// One semaphore's prefetched slots in this process.
-pub(crate) struct Pool {
+pub(crate) struct Prefetch {
     /// How many slots this process may hold ahead of need.
     size: usize,
     slots: Mutex<Vec<Permit>>,
     /// Whether anyone waits, as the backend's last reply said.
     crowding: watch::Receiver<bool>,
-    /// Asked every [`CHECK`] while slots are pooled (a renewal of one, which says).
+    /// Asked every [`CHECK`] while slots are prefetched (a renewal of one, which says).
     store: Arc<dyn Store>,
     refilling: AtomicBool,
     /// The task that gives the slots back when someone starts waiting was spawned.
@@ -47,7 +47,7 @@ struct Tally {
     overloaded: bool,
 }
 
-impl Pool {
+impl Prefetch {
     /// Prefetching `size` slots of `store`, told of waiters by `crowding`; `adaptive`: the
     /// holds that end in the pool are samples for the limit.
     pub(super) fn new(
@@ -56,7 +56,7 @@ impl Pool {
         crowding: watch::Receiver<bool>,
         adaptive: bool,
     ) -> Arc<Self> {
-        Arc::new(Pool {
+        Arc::new(Prefetch {
             size: usize::try_from(size).unwrap_or(usize::MAX),
             slots: Mutex::default(),
             crowding,
@@ -100,10 +100,10 @@ impl Pool {
         })
     }
 
-    /// Keeps `permit`, idle, for the next acquire; released instead, without a home, when the
+    /// Keeps `permit`, on hand, for the next acquire; released instead, returning nowhere, when the
     /// pool is full.
     fn put(&self, mut permit: Permit) {
-        permit.idle();
+        permit.on_hand();
         let mut slots = lock(&self.slots);
         if slots.len() < self.size {
             slots.push(permit);
@@ -111,7 +111,7 @@ impl Pool {
         }
         drop(slots);
         // Outside the lock, and homeless: its drop releases it.
-        permit.unhome();
+        permit.forget_return();
     }
 
     /// Every unused slot back to the backend (released in the background, with the next call).
@@ -125,7 +125,7 @@ impl Pool {
     }
 }
 
-impl Home for Pool {
+impl TakesBack for Prefetch {
     /// Nobody waits (`put` checks the room).
     fn wants_back(&self) -> bool {
         !self.crowded()
@@ -136,7 +136,7 @@ impl Home for Pool {
     }
 
     /// The hold is a sample for the next check; the permit goes back as
-    /// [`put`](Pool::put) says.
+    /// [`put`](Prefetch::put) says.
     fn returned(&self, permit: Permit, ending: Option<Ending>) {
         if let Some(Ending {
             held: Some(held),
@@ -158,7 +158,7 @@ pub(super) trait Source: Clone + Send + Sync + 'static {
     fn take(&self, wanted: usize) -> impl Future<Output = Vec<Permit>> + Send;
 }
 
-impl Pool {
+impl Prefetch {
     /// A prefetched permit, handed out (its hold counts from now), while nobody waits; once
     /// someone does, every unused slot goes back instead.
     pub(super) fn hand_out(&self) -> Option<Permit> {
@@ -193,7 +193,7 @@ impl Pool {
         runtime.spawn(async move {
             let wanted = pool.size.saturating_sub(pool.unused());
             for permit in source.take(wanted).await {
-                pool.put(permit.homed(Arc::<Pool>::downgrade(&pool)));
+                pool.put(permit.returning_to(Arc::<Prefetch>::downgrade(&pool)));
             }
             if pool.crowded() {
                 pool.give_back();
@@ -207,7 +207,7 @@ impl Pool {
 /// every [`CHECK`] renews one of the slots it holds (the keeper renews them all on its own
 /// schedule), whose reply says whether anyone waits, and passes on the holds that ended in
 /// the pool since the last check (an adaptive limit's samples).
-async fn watch_for_waiters(pool: Weak<Pool>, mut crowding: watch::Receiver<bool>) {
+async fn watch_for_waiters(pool: Weak<Prefetch>, mut crowding: watch::Receiver<bool>) {
     let mut check = tokio::time::interval(CHECK);
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

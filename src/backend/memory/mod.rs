@@ -36,7 +36,7 @@ use crate::{AdaptiveLimit, Error};
 /// Use it in development and tests, or as the embedded default of a single instance; use
 /// [`RedisBackend`](crate::RedisBackend) to share a limit between processes.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```
 /// use tower_distributed_limit::{MemoryBackend, Semaphore};

@@ -358,12 +358,12 @@ impl Permits {
     }
 
     /// Removes `member`, holder or waiter (absent: nothing happens). A hold's end is an
-    /// adaptive limit's sample: timed from its grant here, except for a pooled slot, handed out
+    /// adaptive limit's sample: timed from its grant here, except for a prefetched slot, handed out
     /// after its grant (its process's measure, if any: a slot released idle from its pool ends
     /// no hold).
     pub(super) fn release(&mut self, member: &Member, ending: Ending, now: Instant) {
         if let Some(holding) = self.holders.remove(&member.text) {
-            let held = if member.pooled {
+            let held = if member.prefetched {
                 ending.held
             } else {
                 Some(now.saturating_duration_since(holding.granted))

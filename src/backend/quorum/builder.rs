@@ -47,7 +47,7 @@ impl QuorumBackend {
 
     /// Settings for a quorum of the masters at `urls`.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -162,7 +162,7 @@ impl QuorumBackendBuilder {
     ///
     /// Only [`Error::Config`], as for [`connect`](Self::connect), and outside a tokio runtime.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::QuorumBackend;

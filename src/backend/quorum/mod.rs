@@ -98,7 +98,7 @@ use crate::waitlist::Hub;
 /// healthy and their clocks drift within the configured bound. See the module docs for the
 /// design and what `fencing_token` guarantees here.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```no_run
 /// use tower_distributed_limit::{QuorumBackend, Semaphore};

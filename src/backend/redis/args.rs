@@ -123,7 +123,7 @@ pub(super) fn released(member: &Arc<str>, ending: Ending, adaptive: bool) -> Arc
     text.into()
 }
 
-/// Holds that ended in a prefetch pool, as a release with no member:
+/// Holds that ended in a prefetch, as a release with no member:
 /// `[!]@<µs mean>*<count>:` (`lua/semaphore/holders.lua`).
 pub(super) fn sampled(samples: Samples) -> Arc<str> {
     let mut text = String::with_capacity(24);

@@ -67,7 +67,7 @@ impl RedisBackend {
     ///
     /// Only [`Error::Config`]: a malformed URL, or no tokio runtime.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use tower_distributed_limit::{RedisBackend, Semaphore};
@@ -104,7 +104,7 @@ impl RedisBackend {
     /// Settings for a connection to the server at `info`: a URL, or a redis-rs
     /// `ConnectionInfo` carrying credentials, TLS or a database.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -134,7 +134,7 @@ impl RedisBackend {
     /// runs on the node that owns it; grants are announced with sharded pub/sub on that node.
     /// MOVED/ASK redirections and failovers are followed.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```no_run
     /// use tower_distributed_limit::{RedisBackend, Semaphore};
@@ -199,7 +199,7 @@ impl RedisBackend {
     /// second); asking for as many replicas as there are closes it, at the cost of every
     /// grant failing while one replica is down.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```no_run
     /// use tower_distributed_limit::RedisBackend;
@@ -331,7 +331,7 @@ impl RedisBackendBuilder {
     /// after a lost connection and after a pause in the process's calls (no call of its own),
     /// and Redis keeps it beside the semaphore while it is used.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```no_run
     /// # async fn f() -> Result<(), tower_distributed_limit::Error> {
@@ -363,7 +363,7 @@ impl RedisBackendBuilder {
     /// at the first `rediss://` connection attempt. An application that uses another
     /// provider (aws-lc-rs) installs it before the backend first connects.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```no_run
     /// use tower_distributed_limit::RedisBackend;
@@ -401,7 +401,7 @@ impl RedisBackendBuilder {
     /// deposed (its replicas follow the new one): the sentinels are asked, and the call goes
     /// once more to the master they name.
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -469,7 +469,7 @@ impl RedisBackendBuilder {
     /// Only [`Error::Config`]: a malformed URL or option, or no tokio runtime to run the probe
     /// on (call it inside one).
     ///
-    /// # Example
+    /// # Examples
     ///
     /// ```
     /// use std::time::Duration;

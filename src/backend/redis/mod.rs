@@ -54,7 +54,7 @@ pub(super) const CALLS: &str = "tower_distributed_limit::redis";
 /// Cheap to clone: clones share one multiplexed, auto-reconnecting connection (redis-rs
 /// `ConnectionManager`, RESP3), which also carries the grant announcements waiters sleep on.
 ///
-/// # Example
+/// # Examples
 ///
 /// ```no_run
 /// use tower_distributed_limit::{RedisBackend, Semaphore};

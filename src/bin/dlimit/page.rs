@@ -274,7 +274,7 @@ fn classes(out: &mut String, view: &View) {
 fn tenants(out: &mut String, view: &View) {
     out.push_str(
         "<h2>Tenants waiting<small>most first; a tenant is shown by its id, never its name \
-         (which is not stored): <code>Ask::new().tenant(key).tenant_id()</code> of a key, in hex, \
+         (which is not stored): <code>Ask::new().tenant(key).get_tenant()</code> of a key, in hex, \
          is the id to look for</small></h2><div class=\"scroll\"><table><thead><tr>\
          <th>Semaphore</th><th>Tenant id</th><th class=\"n\">Waiting</th></tr></thead><tbody>",
     );
@@ -305,8 +305,8 @@ const CLAIM_WINDOW: &str = "granted from the line, provisional until its process
     the window ends (SemaphoreBuilder::claim_window)";
 
 /// What the Pool column says.
-const POOL: &str = "the slot sits in its process's prefetch pool (SemaphoreBuilder::prefetch): \
-    held ahead of need, idle there or handed to a request, given back once anyone waits";
+const POOL: &str = "the slot sits in its process's prefetch (SemaphoreBuilder::prefetch): \
+    held ahead of need, on hand there or handed to a request, given back once anyone waits";
 
 fn holder_rows(out: &mut String, view: &View, holders: usize) {
     let _ = write!(

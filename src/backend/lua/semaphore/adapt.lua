@@ -8,7 +8,7 @@
 -- The state, read from meta at the first sample of the call and written back with meta.
 local gradient
 
--- `n` releases (n holds that ended in a prefetch pool; else 1): held `held_ms` each (a mean),
+-- `n` releases (n holds that ended in a prefetch; else 1): held `held_ms` each (a mean),
 -- with `in_flight` held just before, overloaded or not.
 local function sample(held_ms, in_flight, overloaded, n)
   if not adaptive or pinned then

@@ -1,6 +1,6 @@
 -- Holders granted, extended and released; an operator's evict.
 -- Takes: `finite`, `int`, `widen` (values.lua); `holders`, `since`, `op`, `args`, `now`,
--- `spend` (args.lua); `parse`, `released_member`, `pooled` (members.lua); `used`, `count`,
+-- `spend` (args.lua); `parse`, `released_member`, `prefetched` (members.lua); `used`, `count`,
 -- `fence`, `horizon`, `changed`, `pinned`, `adaptive` (meta.lua); `account` (classes.lua);
 -- `unqueue` (tenants.lua); `due` (sweep.lua); `sample` (adapt.lua).
 
@@ -66,16 +66,16 @@ local function step_holders()
     local member, overloaded, held, n = released_member(ARGV[i])
     released_now[member] = true
     if member == '' then
-      -- Holds that ended in a prefetch pool: samples, nothing to release.
+      -- Holds that ended in a prefetch: samples, nothing to release.
       if held then
         sample(held, used, overloaded, n)
       end
     elseif redis.call('ZREM', holders, member) == 1 then
       if adaptive and not pinned then
         -- The process's own measure, else the time since the grant here (a process built with
-        -- a fixed limit does not send one). A pooled slot released unsent was idle in its
+        -- a fixed limit does not send one). A prefetched slot released unsent was on hand in its
         -- pool: the time since its grant here is no hold.
-        if not held and not pooled(member) then
+        if not held and not prefetched(member) then
           local granted = finite(redis.call('HGET', since, member))
           held = granted and now - granted
         end

@@ -1,9 +1,9 @@
 -- What a member says of itself, read from its text and kept across calls (`facts`, `learn`,
--- `parse`, `pooled`, `tag_of`), and the marks a release puts before it (`released_member`).
+-- `parse`, `prefetched`, `tag_of`), and the marks a release puts before it (`released_member`).
 -- Takes nothing: only what its own text says.
 
 -- What a member says of itself: {weight, lease, class level (4 without `:c`), tenant (nil
--- without `:t`), pooled (`:p`), its process's tag (its first 8 characters)}. A malformed
+-- without `:t`), prefetched (`:p`), its process's tag (its first 8 characters)}. A malformed
 -- member weighs 0. Patterns cost more than the rest of most steps, and a member meets several
 -- calls (it joins, heads the line, is admitted, is released): what each member says is kept
 -- across calls (it depends on its text alone), and forgotten wholesale once 1 000 are kept, so
@@ -63,7 +63,7 @@ end
 -- A member to release, whether its hold was marked overloaded (`!` before it), how long its
 -- process held it (ms, from `@<µs>:` before it; nil when not told), and how many holds that
 -- was: `@<µs>*<n>:` with no member after it is n holds of that mean that ended in their
--- process without a release (their slots stayed in its prefetch pool).
+-- process without a release (their slots stayed in its prefetch).
 local function released_member(text)
   local overloaded = string.byte(text, 1) == 33
   if overloaded then
@@ -79,8 +79,8 @@ local function released_member(text)
   return text, overloaded, nil, 1
 end
 
--- Whether a member's slot may sit idle in its process's prefetch pool (`:p`, after the id).
-local function pooled(member)
+-- Whether a member's slot may be kept on hand by its process's prefetch (`:p`, after the id).
+local function prefetched(member)
   return (facts[member] or learn(member))[5]
 end
 
