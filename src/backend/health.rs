@@ -3,7 +3,7 @@
 //!
 //! Each server the crate talks to (a `RedisBackend`'s node, Cluster or Sentinel master; each
 //! node of a quorum) is up or down. A call refused, dropped for good, or past the call timeout
-//! marks it down ([`failed`]); while it is down every call fails at once ([`gate`]), so the
+//! marks it down ([`failed`]); while it is down every call fails at once ([`refuse_while_down`]), so the
 //! outage policy decides in microseconds, and **one** background probe per server tries to
 //! reach it again with a jittered back-off capped at [`MAX_PAUSE`]. Requests never wait behind
 //! a connect attempt, and never more than one attempt per server is in flight (the probe is
@@ -347,7 +347,7 @@ impl Drop for Health {
 
 /// Lets a call through when the server is up; when it is down, refuses at once (and makes
 /// sure a probe is running).
-pub(in crate::backend) fn gate<T: Reconnect>(server: &Arc<T>) -> Result<(), Error> {
+pub(in crate::backend) fn refuse_while_down<T: Reconnect>(server: &Arc<T>) -> Result<(), Error> {
     let health = server.health();
     if health.is_up() {
         return Ok(());

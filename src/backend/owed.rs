@@ -1,5 +1,5 @@
 //! Releases a server missed while it could not be reached, kept to be sent once it answers
-//! (`redis/semaphore.rs`, `quorum/owed.rs`): each until its member's lease would have ended,
+//! (`redis/outbox.rs`, `quorum/owed.rs`): each until its member's lease would have ended,
 //! and at most [`AT_MOST`] a semaphore, as a process's waiters are bounded (`max_waiters`).
 
 /// The most releases kept for servers that cannot be reached, per semaphore.

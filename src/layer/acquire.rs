@@ -7,10 +7,10 @@ use std::task::{Context, Poll};
 
 use http::Response;
 
+use super::answer::{Answer, HttpSettings};
 use super::body::ResponseBody;
 use super::gate::{Gate, Pass};
 use super::headers::insert_rate;
-use super::http::{Answer, HttpSettings};
 use super::pass::PermitPass;
 use super::refusal::{Asked, Refused, RefusedBy};
 use super::token::FencingToken;

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::http::HttpSettings;
+use super::answer::HttpSettings;
 
 /// The generic flavor (the default), for a service of any request type: a refusal is a
 /// [`tower::BoxError`] that downcasts to [`Error`](crate::Error), and the permit is released

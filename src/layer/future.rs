@@ -10,10 +10,10 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower::{BoxError, Service};
 
+use super::answer::HttpSettings;
 use super::body::ResponseBody;
 use super::gate::{Gate, Pass};
 use super::gatekeeper::Overloaded;
-use super::http::HttpSettings;
 use super::refusal::Refused;
 use super::token::{FencingToken, scoped};
 use crate::Error;

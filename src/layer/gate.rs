@@ -11,8 +11,8 @@ use std::task::{Context, Poll};
 
 use http::Response;
 
+use super::answer::HttpSettings;
 use super::body::ResponseBody;
-use super::http::HttpSettings;
 use super::refusal::Refused;
 use super::token::FencingToken;
 

@@ -357,7 +357,7 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
         Flavor: Into<Http>,
     {
         let mut flavor: Http = self.flavor.into();
-        flavor.settings_mut().answer = super::http::Answer::Http;
+        flavor.settings_mut().answer = super::answer::Answer::Http;
         DistributedConcurrencyLimitLayer {
             gatekeeper: self.gatekeeper,
             flavor,
@@ -390,7 +390,7 @@ impl<Flavor, Admission> DistributedConcurrencyLimitLayer<Flavor, Admission> {
         Flavor: Into<Http>,
     {
         let mut layer = self.http();
-        layer.flavor.settings_mut().answer = super::http::Answer::Grpc;
+        layer.flavor.settings_mut().answer = super::answer::Answer::Grpc;
         layer
     }
 }
@@ -760,7 +760,7 @@ impl<Admission> DistributedConcurrencyLimitLayer<Http, Admission> {
     where
         H: Fn(&crate::Error) -> Option<http::Response<Bytes>> + Send + Sync + 'static,
     {
-        self.flavor.settings_mut().on_refusal = Some(super::http::OnRefusal(Arc::new(hook)));
+        self.flavor.settings_mut().on_refusal = Some(super::answer::OnRefusal(Arc::new(hook)));
         self
     }
 }

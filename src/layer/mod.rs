@@ -75,6 +75,7 @@
 
 mod acquire;
 mod admit;
+pub(crate) mod answer;
 pub mod body;
 mod cache;
 #[cfg(feature = "axum")]
@@ -86,7 +87,6 @@ pub(crate) mod gatekeeper;
 #[cfg(feature = "tonic")]
 pub(crate) mod grpc;
 pub(crate) mod headers;
-pub(crate) mod http;
 mod key;
 mod layer;
 mod partitions;

@@ -11,10 +11,10 @@ use super::Decided;
 use super::limiter::RateLimiter;
 use crate::Error;
 use crate::backend::RateDecision;
+use crate::layer::answer::{Answer, HttpSettings};
 use crate::layer::body::ResponseBody;
 use crate::layer::gate::{Gate, Pass};
 use crate::layer::headers::insert_rate;
-use crate::layer::http::{Answer, HttpSettings};
 use crate::layer::refusal::{Refused, RefusedBy};
 use crate::layer::token::FencingToken;
 

@@ -202,7 +202,7 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
         self.map(|s| {
             let mut flavor: Http = s.flavor.into();
             let settings = flavor.settings_mut();
-            settings.answer = crate::layer::http::Answer::Http;
+            settings.answer = crate::layer::answer::Answer::Http;
             settings.customized = |refusal| refusal == Refusal::RateLimited;
             Shared {
                 limiter: s.limiter,
@@ -231,7 +231,7 @@ impl<Flavor: Clone, Key: Clone, Cost: Clone> DistributedRateLimitLayer<Flavor, K
         Flavor: Into<Http>,
     {
         self.http().map(|mut s| {
-            s.flavor.settings_mut().answer = crate::layer::http::Answer::Grpc;
+            s.flavor.settings_mut().answer = crate::layer::answer::Answer::Grpc;
             s
         })
     }

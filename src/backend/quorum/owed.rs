@@ -24,7 +24,7 @@ struct Release {
 
 /// The releases owed to nodes that were down, and the nodes a task waits for.
 #[derive(Default)]
-pub(super) struct Owed {
+pub(super) struct OwedReleases {
     releases: Vec<Release>,
     waiting: HashSet<usize>,
 }
@@ -32,7 +32,7 @@ pub(super) struct Owed {
 /// A semaphore that owes releases, as the task paying them sees it.
 pub(super) trait Debtor: Send + Sync + 'static {
     /// What it owes.
-    fn owed(&self) -> &Mutex<Owed>;
+    fn owed(&self) -> &Mutex<OwedReleases>;
 
     /// Whether `node` answers now.
     fn is_up(&self, node: usize) -> bool;

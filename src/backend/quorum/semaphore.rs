@@ -10,7 +10,7 @@ use futures_util::stream::FuturesUnordered;
 use redis::{Script, Value};
 use tokio::time::Instant;
 
-use super::owed::{self, Debtor, Owed};
+use super::owed::{self, Debtor, OwedReleases};
 use super::{Nodes, QuorumBackend};
 use crate::backend::health;
 use crate::backend::redis::CALLS;
@@ -93,7 +93,7 @@ pub(super) struct QuorumSemaphore {
     /// The slots of each member this process holds (or is taking).
     pub(super) held: Mutex<HashMap<Arc<str>, Vec<u32>>>,
     /// Releases nodes missed while down, sent when each is back.
-    pub(super) owed: Mutex<Owed>,
+    pub(super) owed: Mutex<OwedReleases>,
 }
 
 /// One node's answer, or none (failed or too slow).
@@ -125,7 +125,7 @@ impl QuorumSemaphore {
             .nodes
             .iter()
             .enumerate()
-            .filter(|&(index, node)| pick(index) && health::gate(node).is_ok())
+            .filter(|&(index, node)| pick(index) && health::refuse_while_down(node).is_ok())
             .map(|(index, node)| {
                 let node = node.clone();
                 let mut invocation = SCRIPT.prepare_invoke();
@@ -247,7 +247,7 @@ impl QuorumSemaphore {
 }
 
 impl Debtor for QuorumSemaphore {
-    fn owed(&self) -> &Mutex<Owed> {
+    fn owed(&self) -> &Mutex<OwedReleases> {
         &self.owed
     }
 

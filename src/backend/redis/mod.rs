@@ -143,7 +143,7 @@ impl RedisBackend {
 impl Connection {
     /// The connection, if the server is up; refused at once otherwise.
     fn conn(self: &Arc<Self>) -> Result<Conn, Error> {
-        health::gate(self)?;
+        health::refuse_while_down(self)?;
         self.conn
             .get()
             .cloned()

@@ -38,7 +38,7 @@ pub(super) struct Outbox {
     /// carries them, and a task sends them once the server answers again, until their leases
     /// would have ended anyway (at most `owed::AT_MOST`). Without this, a slot given back during an
     /// outage stays taken for a whole lease after it.
-    pub(super) owed: Vec<Owed>,
+    pub(super) owed: Vec<OwedRelease>,
     /// A task waits for the server to answer again, to send `owed`.
     pub(super) owed_pending: bool,
     /// An acquire call is in flight; whoever sent it passes the queued acquires on when it is
@@ -49,7 +49,7 @@ pub(super) struct Outbox {
 
 /// A release that could not be sent, kept until `until` (its member's lease from when its call
 /// failed: the longest it may still hold).
-pub(super) struct Owed {
+pub(super) struct OwedRelease {
     pub(super) member: Arc<str>,
     pub(super) until: Instant,
 }
@@ -437,8 +437,8 @@ impl<D: Deref<Target: Calls>> Drop for Sending<D> {
 pub(super) struct Carried<'a, S: Calls> {
     pub(super) semaphore: &'a S,
     pub(super) members: Vec<Arc<str>>,
-    /// Owed by earlier calls that failed.
-    pub(super) owed: Vec<Owed>,
+    /// OwedRelease by earlier calls that failed.
+    pub(super) owed: Vec<OwedRelease>,
     /// The members are in the outbox's `unanswered` until this call is answered or dropped.
     pub(super) unanswered: bool,
     pub(super) settled: bool,
@@ -478,7 +478,7 @@ impl<S: Calls> Carried<'_, S> {
         owed.extend(self.owed.drain(..).filter(|owed| owed.until > now));
         owed.extend(self.members.drain(..).filter_map(|member| {
             let lease = lease_of(&member)?;
-            Some(Owed {
+            Some(OwedRelease {
                 member,
                 until: now + lease,
             })
