@@ -60,11 +60,10 @@ impl AcquirePermit {
             by: RefusedBy::Semaphore(asked),
         };
         AcquirePermit(State::Acquiring(Box::pin(async move {
+            // The prefetch was asked above: straight to the store.
             let permit = match rate {
-                None if wait => semaphore.acquire_with(ask).await,
-                None => semaphore
-                    .try_acquire_with(ask)
-                    .await
+                None if wait => semaphore.acquire_from_store(&ask, None).await,
+                None => (semaphore.try_from_store(&ask, None).await)
                     .and_then(|permit| permit.ok_or(Error::Full)),
                 Some(rate) => return with_rate(&semaphore, &ask, wait, rate, refused).await,
             };

@@ -297,7 +297,7 @@ impl Semaphore {
     /// A permit as [`acquire_many`](Self::acquire_many) (`wait`) or
     /// [`try_acquire_many`](Self::try_acquire_many) (else [`Error::Full`]) take it, spending
     /// `weight` of `rate` in the same backend call when the backend reaches the limiter there
-    /// and the permit is granted at once ([`Permit::rate_spent`]). For the layer's `rate_limit`.
+    /// and the permit is granted at once (`Permit::rate`). For the layer's `rate_limit`.
     pub(crate) async fn acquire_rated(
         &self,
         ask: &Ask,
@@ -312,9 +312,9 @@ impl Semaphore {
                 cost: ask.get_weight(),
             });
         if wait {
-            self.acquire_asked(ask, rated.as_ref()).await
+            self.acquire_from_store(ask, rated.as_ref()).await
         } else {
-            self.try_asked(ask, rated.as_ref())
+            self.try_from_store(ask, rated.as_ref())
                 .await?
                 .ok_or(Error::Full)
         }
@@ -322,9 +322,18 @@ impl Semaphore {
 
     /// `acquire_with`, with the rate limit it may decide in the same call.
     async fn acquire_asked(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Permit, Error> {
-        if let Some(permit) = self.take_prefetched(ask, rate.is_some()) {
-            return Ok(permit);
+        match self.take_prefetched(ask, rate.is_some()) {
+            Some(permit) => Ok(permit),
+            None => self.acquire_from_store(ask, rate).await,
         }
+    }
+
+    /// `acquire_asked` past the prefetch (for a caller that asked it already: the layer).
+    pub(crate) async fn acquire_from_store(
+        &self,
+        ask: &Ask,
+        rate: Option<&Rated>,
+    ) -> Result<Permit, Error> {
         async {
             self.check_weight(ask)?;
             let started = Instant::now();
@@ -466,9 +475,18 @@ impl Semaphore {
 
     /// `try_acquire_with`, with the rate limit it may decide in the same call.
     async fn try_asked(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
-        if let Some(permit) = self.take_prefetched(ask, rate.is_some()) {
-            return Ok(Some(permit));
+        match self.take_prefetched(ask, rate.is_some()) {
+            Some(permit) => Ok(Some(permit)),
+            None => self.try_from_store(ask, rate).await,
         }
+    }
+
+    /// `try_asked` past the prefetch (for a caller that asked it already: the layer).
+    pub(crate) async fn try_from_store(
+        &self,
+        ask: &Ask,
+        rate: Option<&Rated>,
+    ) -> Result<Option<Permit>, Error> {
         async {
             self.check_weight(ask)?;
             let started = Instant::now();
@@ -494,7 +512,7 @@ impl Semaphore {
     }
 
     async fn try_once(&self, ask: &Ask, rate: Option<&Rated>) -> Result<Option<Permit>, Error> {
-        let claim = self.claim(ask, rate.is_some());
+        let claim = self.member_guard(ask, rate.is_some());
         let sent = Instant::now();
         let attempt = self
             .inner
@@ -731,7 +749,7 @@ impl Semaphore {
     }
 
     /// A fresh member for `ask`, marked as the pool's when its slot may go there.
-    fn claim(&self, ask: &Ask, rated: bool) -> MemberGuard {
+    fn member_guard(&self, ask: &Ask, rated: bool) -> MemberGuard {
         let prefetched = self.prefetch_for(ask, rated).is_some();
         MemberGuard::new(
             &self.inner.origin,
@@ -783,7 +801,7 @@ impl Semaphore {
         rate: Option<&Rated>,
     ) -> Result<Option<Permit>, Error> {
         let store = &self.inner.origin.store;
-        let claim = self.claim(ask, rate.is_some());
+        let claim = self.member_guard(ask, rate.is_some());
         let registered = self
             .inner
             .waitlist
