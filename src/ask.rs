@@ -15,7 +15,7 @@ use crate::Priority;
 /// let ask = Ask::new().weight(3).priority(Priority::BATCH).tenant("customer-42");
 /// assert_eq!((ask.get_weight(), ask.get_priority()), (3, Priority::BATCH));
 /// assert_eq!(ask.get_tenant(), Ask::new().tenant("customer-42").get_tenant());
-/// assert_eq!((Ask::new().get_weight(), Ask::new().class()), (1, Priority::NORMAL));
+/// assert_eq!((Ask::new().get_weight(), Ask::new().get_priority()), (1, Priority::NORMAL));
 /// assert_eq!(Ask::new().get_tenant(), None);
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]

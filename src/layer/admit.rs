@@ -157,8 +157,8 @@ where
 /// let by_path = Prioritized::new(gpu, |path: &&str| {
 ///     if path.starts_with("/batch") { Priority::BATCH } else { Priority::CRITICAL }
 /// });
-/// assert_eq!(by_path.admit(&"/batch/42").unwrap().1.class(), Priority::BATCH);
-/// assert_eq!(by_path.admit(&"/chat").unwrap().1.class(), Priority::CRITICAL);
+/// assert_eq!(by_path.admit(&"/batch/42").unwrap().1.get_priority(), Priority::BATCH);
+/// assert_eq!(by_path.admit(&"/chat").unwrap().1.get_priority(), Priority::CRITICAL);
 /// ```
 #[derive(Debug, Clone)]
 pub struct Prioritized<A, P> {
