@@ -99,3 +99,19 @@ fn a_prefetch_pool_keeps_every_invariant() {
     });
     report("prefetch", &explored);
 }
+
+/// The deeper run `scripts/model-check --deep` makes: the CI configuration to
+/// `MODEL_DEPTH` steps (default 9).
+#[test]
+#[ignore = "minutes and gigabytes: scripts/model-check --deep"]
+fn every_invariant_holds_in_the_deep_configuration() {
+    let depth = std::env::var("MODEL_DEPTH")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(9);
+    let explored = explore(Config {
+        depth: Some(depth),
+        ..Config::ci()
+    });
+    report("deep", &explored);
+}

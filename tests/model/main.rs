@@ -5,6 +5,9 @@
 //! replaying random walks of it (`conformance.rs`). docs/design.md's "The model" explains it.
 
 mod check;
+mod conformance;
 mod counterexamples;
 mod invariants;
 mod model;
+#[path = "../support/mod.rs"]
+mod support;

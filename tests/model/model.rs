@@ -836,10 +836,7 @@ impl Semaphore {
             actions.push(Action::Touch(p));
         }
         let announced = proc.announced.map(|(id, _, _)| id);
-        if c.design == Design::LearnTime
-            && announced.is_some()
-            && announced == proc.waiting.as_ref().map(|w| w.id)
-        {
+        if announced.is_some() && announced == proc.waiting.as_ref().map(|w| w.id) {
             actions.push(Action::Learn(p));
         }
         if c.prefetch {
@@ -993,22 +990,32 @@ impl Model for Semaphore {
             Action::Touch(p) => self.touch(&mut state, p),
             Action::Learn(p) => {
                 let now = state.now;
-                let limit = state.server.limit;
+                // The limit its grant was made under (lowering the limit takes nothing back).
+                let limit = (state.server.holders.iter())
+                    .find(|h| Some(h.id) == state.procs[usize::from(p)].announced.map(|a| a.0))
+                    .map_or(state.server.limit, |h| h.limit_at_grant);
                 let epoch = state.epoch;
                 let proc = &mut state.procs[usize::from(p)];
-                let (id, token, _) = proc.announced.take().expect("Learn is offered announced");
+                let (id, token, until) = proc.announced.take().expect("Learn is offered announced");
                 let waiting = proc
                     .waiting
                     .take()
                     .expect("an announced grant was waited for");
-                // The bug: a full lease from now, not the announced (provisional) deadline.
+                // The crate believes the announced deadline (the provisional term, on the clock
+                // reading of its queueing call) until its keeper claims it; the bug of turn 2
+                // believed a full lease from the moment it learned.
+                let deadline = if c.design == Design::LearnTime {
+                    now + c.lease
+                } else {
+                    until
+                };
                 proc.permits.push(Belief {
                     id,
                     weight: waiting.weight,
                     class: waiting.class,
                     tenant: waiting.tenant,
                     token,
-                    deadline: now + c.lease,
+                    deadline,
                     lost: false,
                     epoch,
                     limit_at_grant: limit,
