@@ -24,6 +24,8 @@ end
 local function next_arrival()
   local EPOCH_MS = 1767225600000
   arrived = math.max((now - EPOCH_MS) * 16, arrived + 1)
+  -- Written back whoever asked (a promotion too), so no later arrival can share the score.
+  changed = true
   return arrived
 end
 
