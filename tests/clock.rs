@@ -5,7 +5,7 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -25,26 +25,7 @@ struct Shifted {
 
 impl Shifted {
     async fn start() -> Shifted {
-        let dir = std::env::temp_dir().join(format!("dlimit-clock-{}", fastrand::u64(..)));
-        std::fs::create_dir_all(&dir).unwrap();
-        let library = dir.join("libclockshift.so");
-        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/clock_shift.c");
-        let built = std::process::Command::new("cc")
-            .args(["-shared", "-fPIC", "-O2", "-o"])
-            .arg(&library)
-            .arg(&source)
-            .status()
-            .expect("run cc to build the clock shim");
-        assert!(built.success(), "cc failed to build {}", source.display());
-        let shift_file = dir.join("shift");
-        std::fs::write(&shift_file, "0").unwrap();
-        let env = [
-            ("LD_PRELOAD", library.as_os_str()),
-            ("DLIMIT_CLOCK_SHIFT_FILE", shift_file.as_os_str()),
-        ];
-        let server =
-            RedisProcess::start_with_env(&env, |port, _| vec!["--port".into(), port.to_string()])
-                .await;
+        let (server, shift_file) = support::redis_with_clock("DLIMIT_CLOCK_SHIFT_FILE", "0").await;
         Shifted { server, shift_file }
     }
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 use tokio::task::JoinSet;
-use tower_distributed_limit::{Ask, Backend, Error, MemoryBackend, Semaphore, Share};
+use tower_distributed_limit::{Ask, Backend, Error, MemoryBackend, Priority, Semaphore, Share};
 
 use support::{eventually, wait_until_available};
 
@@ -72,6 +72,7 @@ on_two_processes!(
     tenants_are_served_in_turn(1, None),
     a_tenant_cap_is_never_passed_under_a_hammer(6, Some(2)),
     a_capped_tenant_holds_up_nobody(3, Some(2)),
+    a_capped_head_is_passed_by_no_later_request_of_its_tenant(3, Some(2)),
     a_cancelled_head_strands_none_of_its_tenant(1, Some(1)),
 );
 
@@ -202,6 +203,86 @@ async fn a_capped_tenant_holds_up_nobody((a, b): (Semaphore, Semaphore)) {
         .expect("acme's third was served once acme had room")
         .unwrap()
         .unwrap();
+}
+
+/// Found by the model (tests/model, invariant `order`): a tenant's head passed over for its
+/// cap held up no later request of its own tenant, which fitted under the cap and went first.
+async fn a_capped_head_is_passed_by_no_later_request_of_its_tenant((a, b): (Semaphore, Semaphore)) {
+    let first = a.acquire_with(of("acme")).await.unwrap();
+    // acme's weight-2 request waits for acme to hold less (1 + 2 is over its cap of 2).
+    let heavy = {
+        let b = b.clone();
+        tokio::spawn(async move { b.acquire_with(of("acme").weight(2)).await })
+    };
+    eventually(
+        Duration::from_secs(5),
+        "acme's heavy request in line",
+        || async { a.snapshot().await.unwrap().waiting == 1 },
+    )
+    .await;
+    // A light one of acme would fit its cap, but acme's heavy one came first.
+    assert!(a.try_acquire_with(of("acme")).await.unwrap().is_none());
+    // Another tenant is held up by neither.
+    assert!(b.try_acquire_with(of("globex")).await.unwrap().is_some());
+    drop(first);
+    let heavy = tokio::time::timeout(Duration::from_secs(5), heavy)
+        .await
+        .expect("acme's heavy request was served once acme had room")
+        .unwrap()
+        .unwrap();
+    assert_eq!(heavy.weight(), 2);
+}
+
+/// Found by the model (tests/model, invariant `served`): a grant at once to one tenant can
+/// turn the head holding up a class into one passed over for that tenant's cap; the waiter
+/// behind it, which now fits, is admitted by that very call (read straight from Redis, before
+/// any other call could serve the line), not by a later one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_that_caps_the_head_of_a_line_admits_who_it_held_up() {
+    let redis = support::Redis::start().await;
+    let sem = |backend| {
+        Semaphore::builder("api")
+            .limit(3)
+            .lease(Duration::from_secs(2))
+            .per_tenant(Share::at_most(2))
+            .class(Priority::CRITICAL, Share::reserved(1))
+            .build(backend)
+            .unwrap()
+    };
+    let (a, b) = (sem(redis.backend().await), sem(redis.backend().await));
+    let _held = a.acquire_with(of("acme")).await.unwrap();
+    // globex's weight 2 does not fit beside the slot CRITICAL keeps: it heads the line, and
+    // acme's next, which would fit, waits behind it.
+    let mut waiters = JoinSet::new();
+    for (waiting, ask) in [(1, of("globex").weight(2)), (2, of("acme"))] {
+        let b = b.clone();
+        waiters.spawn(async move { b.acquire_with(ask).await });
+        eventually(Duration::from_secs(5), "the next in line", || async {
+            a.snapshot().await.unwrap().waiting == waiting
+        })
+        .await;
+    }
+    // globex at CRITICAL is granted at once (its class has nobody waiting): globex's weight 2
+    // is now over its cap, passed over, and acme's waiter fits.
+    let _critical = (a
+        .try_acquire_with(of("globex").priority(Priority::CRITICAL))
+        .await)
+        .unwrap()
+        .expect("room for CRITICAL");
+    let holders: u32 = redis
+        .conn()
+        .await
+        .zcard("dlimit:{api}:holders")
+        .await
+        .unwrap();
+    assert_eq!(holders, 3, "acme's waiter was left for a later call");
+    let acme = tokio::time::timeout(Duration::from_secs(5), waiters.join_next())
+        .await
+        .expect("acme's waiter told of its grant")
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(acme.weight(), 1);
 }
 
 async fn a_cancelled_head_strands_none_of_its_tenant((a, b): (Semaphore, Semaphore)) {

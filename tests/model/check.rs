@@ -115,3 +115,20 @@ fn every_invariant_holds_in_the_deep_configuration() {
     });
     report("deep", &explored);
 }
+
+/// Both classes and two tenants under a cap inside them: a grant to one tenant can turn the
+/// head blocking its class into one passed over for its cap.
+#[test]
+fn classes_with_tenants_keep_every_invariant() {
+    let explored = explore(Config {
+        waiting: true,
+        classes: true,
+        reserve: [1, 0],
+        tenants: true,
+        tenant_cap: Some(2),
+        weights: vec![1, 2],
+        depth: Some(7),
+        ..Config::bare(3, 3)
+    });
+    report("classes with tenants", &explored);
+}

@@ -620,7 +620,14 @@ impl Semaphore {
         if u32::from(weight) > self.most(&state.server, class, tenant) {
             return;
         }
+        // A head of its tenant in its class passed over for the tenant's cap: the newcomer
+        // waits behind it (`ops.lua`'s `capped`), unless its process is passed over as silent.
+        let behind_own_head = tenant.is_some()
+            && (state.server.queue.iter()).any(|w| {
+                !w.parked && w.class == class && w.tenant == tenant && !self.silent(state, w.proc)
+            });
         if !served.waits_in[usize::from(class)]
+            && !behind_own_head
             && self.admits(&state.server, class, weight, tenant, served.blocked)
         {
             self.check_order(state, id, class, tenant, u16::MAX);
@@ -650,6 +657,14 @@ impl Semaphore {
                 limit_at_grant: state.server.limit,
                 pooled,
             });
+            // The grant may leave a head that held up a class passed over for its tenant's
+            // cap, with room behind it: the line is served again (`ops.lua`).
+            if tenant.is_some()
+                && self.config.tenant_cap.is_some()
+                && !state.server.queue.is_empty()
+            {
+                self.serve(state);
+            }
         } else if join {
             let standing = tenant.is_some()
                 && state

@@ -116,6 +116,32 @@ pub async fn long_lived(nodes: &[Redis]) {
     }
 }
 
+/// A redis-server under the clock shim (tests/support/clock_shift.c, built with `cc`): the
+/// file named by `variable` (`DLIMIT_CLOCK_SHIFT_FILE` to shift the wall clock,
+/// `DLIMIT_CLOCK_PIN_FILE` to pin it) starts as `initial`. The server, and that file's path.
+pub async fn redis_with_clock(variable: &str, initial: &str) -> (RedisProcess, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("dlimit-clock-{}", fastrand::u64(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let library = dir.join("libclockshift.so");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/clock_shift.c");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-o"])
+        .arg(&library)
+        .arg(&source)
+        .status()
+        .expect("run cc to build the clock shim");
+    assert!(built.success(), "cc failed to build {}", source.display());
+    let file = dir.join("clock");
+    std::fs::write(&file, initial).unwrap();
+    let env = [
+        ("LD_PRELOAD", library.as_os_str()),
+        (variable, file.as_os_str()),
+    ];
+    let server =
+        RedisProcess::start_with_env(&env, |port, _| vec!["--port".into(), port.to_string()]).await;
+    (server, file)
+}
+
 /// A redis-server started with arguments of the test's own (TLS, replication, ...) on a free
 /// loopback port, in a temporary directory; killed, and its directory removed, when dropped.
 pub struct RedisProcess {

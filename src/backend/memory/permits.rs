@@ -58,6 +58,9 @@ pub(super) struct Permits {
     /// After the last settlement, the highest class whose head waits for the pool (a lower
     /// class is admitted only inside its reservation while it waits).
     blocked: Option<u8>,
+    /// After the last settlement, by rank, the classes whose oldest waiter (not passed over
+    /// for its tenant's cap) still waits: a newcomer of one queues behind it.
+    waiting: [bool; 8],
 }
 
 /// A place in line: the class's rank (0 for the highest level), then the arrival.
@@ -115,6 +118,7 @@ impl Permits {
             heads: HashSet::new(),
             tenant_held: HashMap::new(),
             blocked: None,
+            waiting: [false; 8],
         }
     }
 
@@ -153,13 +157,10 @@ impl Permits {
                 || (self.classes).within_reservation(member.priority, member.weight, &self.held))
     }
 
-    /// Whether anyone of `priority`'s class waits.
+    /// Whether `priority`'s class has a waiter that holds up its newcomers: one passed over
+    /// because its tenant holds all it may holds up nobody.
     fn waits_in(&self, priority: Priority) -> bool {
-        let ranked = rank(priority);
-        self.queue
-            .range((ranked, 0)..=(ranked, u64::MAX))
-            .next()
-            .is_some()
+        self.waiting[usize::from(rank(priority))]
     }
 
     fn unhold(&mut self, holding: &Holding) {
@@ -274,6 +275,7 @@ impl Permits {
             }
         }
         self.blocked = None;
+        self.waiting = [false; 8];
         let mut from: Place = (0, 0);
         while let Some((&(ranked, _), _)) = self.queue.range(from..).next() {
             let mut cursor = (ranked, 0);
@@ -294,6 +296,7 @@ impl Permits {
                     continue;
                 }
                 if !self.admits(member) {
+                    self.waiting[usize::from(ranked)] = true;
                     if room != Room::Capped {
                         self.blocked = self.blocked.or(Some(ranked));
                     }
@@ -342,7 +345,11 @@ impl Permits {
         if member.weight > most {
             return Some(Attempt::TooHeavy { limit: most });
         }
-        if !self.waits_in(member.priority) && self.admits(member) {
+        // A head of its tenant in its class waits (passed over for the tenant's cap): the
+        // newcomer waits behind it.
+        let behind_own_head = (member.tenant)
+            .is_some_and(|tenant| self.heads.contains(&(rank(member.priority), tenant)));
+        if !self.waits_in(member.priority) && !behind_own_head && self.admits(member) {
             let token = self.hold(member, now, fence);
             return Some(Attempt::Granted {
                 token,
@@ -680,10 +687,12 @@ mod tests {
         let other = member(Ask::new().tenant("other"));
         assert!(machine.granted(&a));
         assert_eq!(machine.acquire(&b, Mode::Join), None);
-        // `other` stands behind `b` in its class, and is admitted past it by the settlement.
-        let (attempt, grants) =
-            machine.call(|permits, now, fence| permits.acquire(&other, Mode::Join, now, fence));
-        assert_eq!((attempt, grants), (None, texts(&[&other])));
+        // `b`, passed over for its tenant's cap, holds up no newcomer of its class: `other`
+        // is granted at once, even by a try (as the script decides it).
+        assert!(matches!(
+            machine.acquire(&other, Mode::Once),
+            Some(Attempt::Granted { .. })
+        ));
         assert_eq!(machine.status(&b), Status::Queued);
         assert_eq!(machine.release(&a), texts(&[&b]));
         let snapshot = machine.permits.snapshot(machine.now, "here");

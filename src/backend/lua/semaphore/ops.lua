@@ -28,6 +28,8 @@ local function step_operate()
       rated = rate > 0
     end
     reply = {}
+    -- Whether a member of a tenant under a cap was granted at once (see below).
+    local to_tenant = false
     for i = args + 3, #ARGV - 2, 3 do
       local member, mode = ARGV[i], ARGV[i + 1]
       local weight, lease = parse(member)
@@ -46,7 +48,8 @@ local function step_operate()
         answer = {QUEUED, 0, now_us, limit}
       elseif cancelled[member] then
         answer = {FULL, 0, now_us, limit}
-      elseif not waits_in[rank_of(level)] and admits(level, weight, tenant) and settled(lease) then
+      elseif not waits_in[rank_of(level)] and not (tenant and capped[rank_of(level) .. tenant])
+          and admits(level, weight, tenant) and settled(lease) then
         local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
         local cost = rated and tonumber(ARGV[i + 2])
         if cost and cost > 0 then
@@ -55,6 +58,7 @@ local function step_operate()
         if allowed then
           local deadline
           token, deadline = grant(member, weight, lease, lease)
+          to_tenant = to_tenant or (tenant ~= nil and tenant_cap ~= nil)
           -- (The 6th, whether anyone waits, is set once every member is decided.)
           answer = {GRANTED, token, left(deadline), now_us, limit, 0}
           if remaining then
@@ -77,6 +81,13 @@ local function step_operate()
         answer = {FULL, 0, now_us, limit}
       end
       table.insert(reply, answer)
+    end
+    if to_tenant and waiting > 0 then
+      -- A grant to a tenant can leave the head that held up a class (or the classes below)
+      -- passed over for that tenant's cap, with room behind it: the line is served again, so
+      -- this call admits who now fits, not a later one.
+      blocked = nil
+      step_line()
     end
     -- Those not granted learn when the earliest lease ends, read once after every decision;
     -- those granted, whether anyone waits (a process holding prefetched slots gives them back).
