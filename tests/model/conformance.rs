@@ -102,31 +102,50 @@ fn settle(spec: &Spec, mut state: State) -> State {
     }
 }
 
+/// The actions a client can be told to take in `state`.
+fn enabled(spec: &Spec, state: &State) -> Vec<Action> {
+    let mut enabled = vec![];
+    spec.actions(state, &mut enabled);
+    enabled.retain(|a| {
+        matches!(
+            a,
+            Action::Tick
+                | Action::Pin(_)
+                | Action::Unpin
+                | Action::Try { .. }
+                | Action::Wait { .. }
+                | Action::Release { .. }
+                | Action::Cancel(_)
+        )
+    });
+    enabled
+}
+
 /// A seeded random walk of `steps` actions a client can be told to take.
 pub fn walk(spec: &Spec, seed: u64, steps: usize) -> Vec<Action> {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut state = spec.init_states().remove(0);
     let mut walk = Vec::with_capacity(steps);
     for _ in 0..steps {
-        let mut enabled = vec![];
-        spec.actions(&state, &mut enabled);
-        enabled.retain(|a| {
-            matches!(
-                a,
-                Action::Tick
-                    | Action::Pin(_)
-                    | Action::Unpin
-                    | Action::Try { .. }
-                    | Action::Wait { .. }
-                    | Action::Release { .. }
-                    | Action::Cancel(_)
-            )
-        });
+        let enabled = enabled(spec, &state);
         let action = enabled[rng.usize(..enabled.len())];
         state = settle(spec, spec.next_state(&state, action).expect("a next state"));
         walk.push(action);
     }
     walk
+}
+
+/// Whether every step of `walk` is one the model allows where it stands (a shrunk walk's
+/// releases and cancels must still name a permit or waiter it has).
+fn is_walk(spec: &Spec, walk: &[Action]) -> bool {
+    let mut state = spec.init_states().remove(0);
+    for &action in walk {
+        if !enabled(spec, &state).contains(&action) {
+            return false;
+        }
+        state = settle(spec, spec.next_state(&state, action).expect("a next state"));
+    }
+    true
 }
 
 /// Opens one process's semaphore of a given name.
@@ -540,6 +559,12 @@ fn show(walk: &[Action], upto: usize) -> String {
     text
 }
 
+/// Where a replay first diverged from the model (the step's index), and what both showed.
+struct Divergence {
+    step: usize,
+    report: String,
+}
+
 /// Replays `walk` on fresh semaphores; the first divergence, with the steps up to it.
 async fn replay(
     spec: &Spec,
@@ -547,7 +572,7 @@ async fn replay(
     backends: &[Opener],
     name: String,
     walk: &[Action],
-) -> Result<(), String> {
+) -> Result<(), Divergence> {
     let mut replay = Replay {
         sems: backends.iter().map(|open| open(&name)).collect(),
         backend,
@@ -602,14 +627,15 @@ async fn replay(
                     );
                 }
             }
-            outcome = Err(format!(
+            let report = format!(
                 "diverged at step {} ({why}); the steps:\n{}  the model before: {}\n  after: {}\n                   line after: {:?}",
                 i + 1,
                 show(walk, i),
                 crate::model::Summary(&state),
                 crate::model::Summary(&after),
                 after.server.queue,
-            ));
+            );
+            outcome = Err(Divergence { step: i, report });
             break;
         }
         state = after;
@@ -700,17 +726,67 @@ impl Lane {
         }
     }
 
-    /// The side for walk `seed`: on Redis, its clock starts 10 s after the previous seed's,
-    /// all above `start_us` (the real time when the replay began).
-    fn backend(&self, seed: u64, start_us: u64) -> Backend {
+    /// The side for a walk whose pinned clock starts at `base_us` (on Redis).
+    fn backend(&self, base_us: u64) -> Backend {
         match &self.redis {
             Some((_, conn, pin)) => Backend::Redis {
                 conn: conn.clone(),
                 pin: pin.clone(),
-                base_us: start_us + seed * 10_000_000,
+                base_us,
             },
             None => Backend::Memory,
         }
+    }
+
+    /// Replays `walk` under `name`, its clock from `base_us`.
+    async fn replay(
+        &self,
+        spec: &Spec,
+        base_us: u64,
+        name: String,
+        walk: &[Action],
+    ) -> Result<(), Divergence> {
+        replay(spec, self.backend(base_us), &self.openers, name, walk).await
+    }
+
+    /// A shorter walk that diverges too, and its report: steps dropped one at a time while
+    /// what is left is still a walk of the model and still diverges, until no single step can
+    /// go (a local minimum, as a property-testing shrinker finds; at most `MAX_SHRINKS`
+    /// replays). Each replay's clock starts 10 s after the last one's, from `base_us`.
+    async fn shrink(
+        &self,
+        spec: &Spec,
+        base_us: u64,
+        name: &str,
+        walk: &[Action],
+        first: Divergence,
+    ) -> (usize, String) {
+        const MAX_SHRINKS: u64 = 400;
+        let mut walk = walk[..=first.step].to_vec();
+        let mut report = first.report;
+        let mut tries = 0;
+        let mut shrunk = true;
+        while shrunk && tries < MAX_SHRINKS {
+            shrunk = false;
+            let mut i = walk.len();
+            while i > 0 && tries < MAX_SHRINKS {
+                i -= 1;
+                let mut shorter = walk.clone();
+                shorter.remove(i);
+                if shorter.is_empty() || !is_walk(spec, &shorter) {
+                    continue;
+                }
+                tries += 1;
+                let base = base_us + tries * 10_000_000;
+                let attempt = format!("{name}-shrunk-{tries}");
+                if let Err(found) = self.replay(spec, base, attempt, &shorter).await {
+                    shorter.truncate(found.step + 1);
+                    i = i.min(shorter.len());
+                    (walk, report, shrunk) = (shorter, found.report, true);
+                }
+            }
+        }
+        (walk.len(), report)
     }
 }
 
@@ -728,12 +804,22 @@ async fn replay_seeds(side: &'static str, spec: Spec, lanes: Vec<Lane>) {
     for (i, lane) in lanes.into_iter().enumerate() {
         let (spec, seeds) = (spec.clone(), seeds.clone());
         tasks.spawn(async move {
+            let end = seeds.end;
             for seed in seeds.skip(i).step_by(count) {
                 let walk = walk(&spec, seed, STEPS);
-                let backend = lane.backend(seed, start_us);
+                // Each walk's clock starts 10 s after the previous seed's, above the real time.
+                let base_us = start_us + seed * 10_000_000;
                 let name = format!("walk-{seed}");
-                (replay(&spec, backend, &lane.openers, name, &walk).await)
-                    .map_err(|why| format!("{side}, seed {seed}: {why}"))?;
+                if let Err(found) = lane.replay(&spec, base_us, name.clone(), &walk).await {
+                    let step = found.step + 1;
+                    // Past every seed's clock, for the shrinking replays.
+                    let base_us = start_us + (end + 1) * 10_000_000;
+                    let (steps, report) = lane.shrink(&spec, base_us, &name, &walk, found).await;
+                    return Err(format!(
+                        "{side}, seed {seed}: diverged at step {step}; shrunk to {steps} steps: \
+                         {report}"
+                    ));
+                }
             }
             Ok::<_, String>(())
         });

@@ -31,9 +31,9 @@ local function place(member)
 end
 -- Whether anyone waits (1) or not (0), and the classes (by rank) whose oldest waiter still
 -- waits, or whose line this call did not read to its end: a newcomer of one queues behind it.
--- `capped`: the tenants (by `<rank><tenant>`) whose head was passed over for its tenant's cap:
--- a newcomer of one waits behind its head, not past it.
-local waiting, waits_in, capped
+-- `tenant_capped`: the tenants (by `<rank><tenant>`) whose head was passed over for its
+-- tenant's cap: a newcomer of one waits behind its head, not past it.
+local waiting, waits_in, tenant_capped
 -- The processes whose waiters are passed over (by tag), and whether any was marked within a
 -- patience; the class served, its head as read so far, the next of it to look at, and how
 -- many of it were passed over.
@@ -99,7 +99,7 @@ local function step_line()
   granted = {}
   firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
   waiting = #firsts > 0 and 1 or 0
-  waits_in, capped = {}, {}
+  waits_in, tenant_capped = {}, {}
   if waiting > 0 then
     -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
     if not alive_at or alive_at <= now then
@@ -163,7 +163,7 @@ local function step_line()
         if fit == 'tenant' then
           -- Its tenant holds all it may: passed over, as a silent process's waiters are.
           waiting = 1
-          capped[rank .. tenant] = true
+          tenant_capped[rank .. tenant] = true
           if passed >= 64 or not spend(1) then
             waits_in[rank] = true
             break
