@@ -805,8 +805,10 @@ async fn replay_seeds(side: &'static str, spec: Spec, lanes: Vec<Lane>) {
         let (spec, seeds) = (spec.clone(), seeds.clone());
         tasks.spawn(async move {
             let end = seeds.end;
+            let mut slowest = Duration::ZERO;
             for seed in seeds.skip(i).step_by(count) {
                 let walk = walk(&spec, seed, STEPS);
+                let began = Instant::now();
                 // Each walk's clock starts 10 s after the previous seed's, above the real time.
                 let base_us = start_us + seed * 10_000_000;
                 let name = format!("walk-{seed}");
@@ -820,19 +822,24 @@ async fn replay_seeds(side: &'static str, spec: Spec, lanes: Vec<Lane>) {
                          {report}"
                     ));
                 }
+                slowest = slowest.max(began.elapsed());
             }
-            Ok::<_, String>(())
+            Ok::<_, String>(slowest)
         });
     }
+    let mut slowest = Duration::ZERO;
     while let Some(done) = tasks.join_next().await {
-        if let Err(why) = done.expect("a lane ran to its end") {
-            panic!("{why}");
+        match done.expect("a lane ran to its end") {
+            Ok(lane) => slowest = slowest.max(lane),
+            Err(why) => panic!("{why}"),
         }
     }
+    // A walk must stay well within the claim window (see `CLAIM`).
     println!(
-        "conformance on {side}: {} walks x {STEPS} steps in {:.1} s",
+        "conformance on {side}: {} walks x {STEPS} steps in {:.1} s (slowest walk {:.1} s)",
         seeds.end - seeds.start,
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        slowest.as_secs_f64()
     );
 }
 
