@@ -73,6 +73,7 @@ on_two_processes!(
     a_tenant_cap_is_never_passed_under_a_hammer(6, Some(2)),
     a_capped_tenant_holds_up_nobody(3, Some(2)),
     a_capped_head_is_passed_by_no_later_request_of_its_tenant(3, Some(2)),
+    seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_theirs(80, Some(2)),
     a_cancelled_head_strands_none_of_its_tenant(1, Some(1)),
 );
 
@@ -231,6 +232,51 @@ async fn a_capped_head_is_passed_by_no_later_request_of_its_tenant((a, b): (Sema
         .unwrap()
         .unwrap();
     assert_eq!(heavy.weight(), 2);
+}
+
+/// A call reads at most 64 heads passed over for their tenant's cap (fewer: its budget is 32):
+/// past them, a new tenant is still granted at once (a class of many capped tenants takes
+/// newcomers), and a tenant whose head stands beyond them still waits behind it (the tenants'
+/// index tells).
+async fn seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_theirs(
+    (a, b): (Semaphore, Semaphore),
+) {
+    let mut held = vec![];
+    let mut waiters = JoinSet::new();
+    for t in 0..70 {
+        held.push(a.acquire_with(of(&format!("t{t}"))).await.unwrap());
+        // Each tenant's weight-2 request waits at the head of its tenant (1 + 2 over its cap).
+        let b = b.clone();
+        waiters.spawn(async move { b.acquire_with(of(&format!("t{t}")).weight(2)).await });
+    }
+    eventually(
+        Duration::from_secs(10),
+        "70 capped heads in line",
+        || async { a.snapshot().await.unwrap().waiting == 70 },
+    )
+    .await;
+    assert!(
+        a.try_acquire_with(of("newcomer")).await.unwrap().is_some(),
+        "a new tenant was held up by tenants at their cap"
+    );
+    // A weight-1 request of a tenant would fit its cap, but its heavier one came first.
+    for t in [0, 69] {
+        assert!(
+            a.try_acquire_with(of(&format!("t{t}")))
+                .await
+                .unwrap()
+                .is_none(),
+            "t{t} passed its own head"
+        );
+    }
+    drop(held);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(done) = waiters.join_next().await {
+            drop(done.unwrap().unwrap());
+        }
+    })
+    .await
+    .expect("every capped head served once its tenant had room");
 }
 
 /// Found by the model (tests/model, invariant `served`): a grant at once to one tenant can

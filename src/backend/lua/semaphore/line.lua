@@ -4,9 +4,9 @@
 -- `channel`, `publisher`, `patience`, `claim`, `now`, `work`, `spend`, `left` (args.lua);
 -- `parse`, `tag_of` (members.lua); `fence`, `line`, `alive_at`, `silent_at`, `changed`,
 -- `shares` (meta.lua); `RANK`, `level_of`, `rank_of`, `tenant_of`, `most`, `room`,
--- `blocked`, `admits` (classes.lua); `tenants`, `PARKED`, `left_line`, `unqueue`, `heal`
--- (tenants.lua); `fenced_until`, `settled` (fence.lua); `due`, `still_silent` (sweep.lua);
--- `grant`, `extend` (holders.lua).
+-- `blocked`, `admits` (classes.lua); `tenants`, `PARKED`, `tenant_line`, `head_of`,
+-- `left_line`, `unqueue`, `heal` (tenants.lua); `fenced_until`, `settled` (fence.lua); `due`,
+-- `still_silent` (sweep.lua); `grant`, `extend` (holders.lua).
 
 -- Admit waiters, each class in arrival order while its oldest fits; forget waiters that
 -- stopped answering (and any whose liveness entry is gone). `granted`: the token of each
@@ -30,10 +30,13 @@ local function place(member)
   return rank_of(level_of(member))
 end
 -- Whether anyone waits (1) or not (0), and the classes (by rank) whose oldest waiter still
--- waits, or whose line this call did not read to its end: a newcomer of one queues behind it.
--- `tenant_capped`: the tenants (by `<rank><tenant>`) whose head was passed over for its
--- tenant's cap: a newcomer of one waits behind its head, not past it.
-local waiting, waits_in, tenant_capped
+-- waits: a newcomer of one queues behind it. `tenant_capped`: the tenants (by
+-- `<rank><tenant>`) whose head was passed over for its tenant's cap; `cut_off`: the classes
+-- whose reading stopped among waiters passed over (64 of them, or the budget), where the index
+-- tells whether a tenant's head stands further on. A newcomer waits behind its own tenant's
+-- head, but not behind heads passed over: a class of many tenants at their cap takes newcomers
+-- (holding them up, the budget's 32 reads could never reach them).
+local waiting, waits_in, tenant_capped, cut_off
 -- The processes whose waiters are passed over (by tag), and whether any was marked within a
 -- patience; the class served, its head as read so far, the next of it to look at, and how
 -- many of it were passed over.
@@ -67,7 +70,7 @@ local function oldest()
       return member
     end
     if passed >= 64 or not spend(1) then
-      waits_in[rank] = true
+      cut_off[rank] = true
       return nil
     end
     passed = passed + 1
@@ -94,12 +97,27 @@ local function admit(member, weight, lease, tenant)
     string.format('%s %d %d', member, token, deadline))
 end
 
+-- Whether `member`, of `tenant` at `level`, comes after its tenant's head in its class (one
+-- passed over for the tenant's cap, or in a class read only in part: the index tells): it
+-- waits behind it rather than be granted past it.
+local function behind_own_head(member, level, tenant)
+  local r = rank_of(level)
+  if tenant_capped[r .. tenant] then
+    return true
+  end
+  if not cut_off[r] then
+    return false
+  end
+  local head = head_of(tenant_line(member, tenant))
+  return head ~= nil and redis.call('ZSCORE', queue, head) ~= false
+end
+
 -- The line served: whoever fits admitted, waiters gone dropped.
 local function step_line()
   granted = {}
   firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
   waiting = #firsts > 0 and 1 or 0
-  waits_in, tenant_capped = {}, {}
+  waits_in, tenant_capped, cut_off = {}, {}, {}
   if waiting > 0 then
     -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
     if not alive_at or alive_at <= now then
@@ -153,6 +171,10 @@ local function step_line()
           -- (So is a member of no weight: no version writes one.)
           unqueue(member)
           member = spend(1) and oldest()
+          if member == false then
+            -- The budget ran out with the rest of the class unread.
+            cut_off[rank] = true
+          end
         end
         if not member then
           break
@@ -165,7 +187,7 @@ local function step_line()
           waiting = 1
           tenant_capped[rank .. tenant] = true
           if passed >= 64 or not spend(1) then
-            waits_in[rank] = true
+            cut_off[rank] = true
             break
           end
           passed = passed + 1

@@ -49,7 +49,7 @@ local function step_operate()
       elseif cancelled[member] then
         answer = {FULL, 0, now_us, limit}
       elseif not waits_in[rank_of(level)]
-          and not (tenant and tenant_capped[rank_of(level) .. tenant])
+          and not (tenant and behind_own_head(member, level, tenant))
           and admits(level, weight, tenant) and settled(lease) then
         local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
         local cost = rated and tonumber(ARGV[i + 2])
