@@ -35,8 +35,9 @@ end
 -- whose reading stopped among waiters passed over (64 of them, or the budget), where the index
 -- tells whether a tenant's head stands further on. A newcomer waits behind its own tenant's
 -- head, but not behind heads passed over: a class of many tenants at their cap takes newcomers
--- (holding them up, the budget's 32 reads could never reach them).
-local waiting, waits_in, tenant_capped, cut_off
+-- (holding them up, the budget's 32 reads could never reach them). `holding_up`: the tenants
+-- whose head holds up its class, waiting for room (at most one a class).
+local waiting, waits_in, tenant_capped, cut_off, holding_up
 -- The processes whose waiters are passed over (by tag), and whether any was marked within a
 -- patience; the class served, its head as read so far, the next of it to look at, and how
 -- many of it were passed over.
@@ -117,7 +118,7 @@ local function step_line()
   granted = {}
   firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
   waiting = #firsts > 0 and 1 or 0
-  waits_in, tenant_capped, cut_off = {}, {}, {}
+  waits_in, tenant_capped, cut_off, holding_up = {}, {}, {}, {}
   if waiting > 0 then
     -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
     if not alive_at or alive_at <= now then
@@ -194,6 +195,9 @@ local function step_line()
         elseif not admits(level, weight, tenant) or not settled(lease) then
           waiting = 1
           waits_in[rank] = true
+          if tenant then
+            holding_up[tenant] = true
+          end
           if fit ~= 'capped' then
             blocked = blocked or rank
           end

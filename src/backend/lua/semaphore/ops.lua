@@ -28,7 +28,7 @@ local function step_operate()
       rated = rate > 0
     end
     reply = {}
-    -- Whether a member of a tenant under a cap was granted at once (see below).
+    -- Whether a member was granted at once to a tenant whose head held up a class (see below).
     local to_tenant = false
     for i = args + 3, #ARGV - 2, 3 do
       local member, mode = ARGV[i], ARGV[i + 1]
@@ -48,9 +48,8 @@ local function step_operate()
         answer = {QUEUED, 0, now_us, limit}
       elseif cancelled[member] then
         answer = {FULL, 0, now_us, limit}
-      elseif not waits_in[rank_of(level)]
-          and not (tenant and behind_own_head(member, level, tenant))
-          and admits(level, weight, tenant) and settled(lease) then
+      elseif not waits_in[rank_of(level)] and admits(level, weight, tenant)
+          and not (tenant and behind_own_head(member, level, tenant)) and settled(lease) then
         local allowed, retry_us, remaining, reset_us = true, 0, nil, nil
         local cost = rated and tonumber(ARGV[i + 2])
         if cost and cost > 0 then
@@ -59,7 +58,7 @@ local function step_operate()
         if allowed then
           local deadline
           token, deadline = grant(member, weight, lease, lease)
-          to_tenant = to_tenant or (tenant ~= nil and tenant_cap ~= nil)
+          to_tenant = to_tenant or (tenant_cap ~= nil and tenant ~= nil and holding_up[tenant])
           -- (The 6th, whether anyone waits, is set once every member is decided.)
           answer = {GRANTED, token, left(deadline), now_us, limit, 0}
           if remaining then
@@ -83,10 +82,11 @@ local function step_operate()
       end
       table.insert(reply, answer)
     end
-    if to_tenant and waiting > 0 then
-      -- A grant to a tenant can leave the head that held up a class (or the classes below)
+    if to_tenant then
+      -- A grant to a tenant can leave its head that held up a class (or the classes below)
       -- passed over for that tenant's cap, with room behind it: the line is served again, so
-      -- this call admits who now fits, not a later one.
+      -- this call admits who now fits, not a later one. (Only then: nothing else a grant does
+      -- makes room.)
       blocked = nil
       step_line()
     end
