@@ -621,7 +621,8 @@ impl Semaphore {
             return;
         }
         // A head of its tenant in its class passed over for the tenant's cap: the newcomer
-        // waits behind it (`ops.lua`'s `capped`), unless its process is passed over as silent.
+        // waits behind it (`line.lua`'s `behind_own_head`), unless its process is passed over
+        // as silent.
         let behind_own_head = tenant.is_some()
             && (state.server.queue.iter()).any(|w| {
                 !w.parked && w.class == class && w.tenant == tenant && !self.silent(state, w.proc)
@@ -658,7 +659,8 @@ impl Semaphore {
                 pooled,
             });
             // The grant may leave a head that held up a class passed over for its tenant's
-            // cap, with room behind it: the line is served again (`ops.lua`).
+            // cap, with room behind it: the line is served again (`ops.lua` does only when that
+            // tenant's head held up a class, the one case it can admit anyone more).
             if tenant.is_some()
                 && self.config.tenant_cap.is_some()
                 && !state.server.queue.is_empty()

@@ -4,7 +4,7 @@
 -- `channel`, `publisher`, `patience`, `claim`, `now`, `work`, `spend`, `left` (args.lua);
 -- `parse`, `tag_of` (members.lua); `fence`, `line`, `alive_at`, `silent_at`, `changed`,
 -- `shares` (meta.lua); `RANK`, `level_of`, `rank_of`, `tenant_of`, `most`, `room`,
--- `blocked`, `admits` (classes.lua); `tenants`, `PARKED`, `tenant_line`, `head_of`,
+-- `blocked`, `admits`, `NONE` (classes.lua); `tenants`, `PARKED`, `tenant_line`, `head_of`,
 -- `left_line`, `unqueue`, `heal` (tenants.lua); `fenced_until`, `settled` (fence.lua); `due`,
 -- `still_silent` (sweep.lua); `grant`, `extend` (holders.lua).
 
@@ -118,8 +118,11 @@ local function step_line()
   granted = {}
   firsts = redis.call('ZRANGE', queue, '0', HEAD_LAST)
   waiting = #firsts > 0 and 1 or 0
-  waits_in, tenant_capped, cut_off, holding_up = {}, {}, {}, {}
+  -- (The scan below writes the last three, so only a call that scans makes them: NONE,
+  -- classes.lua's shared empty table, serves the rest.)
+  waits_in, tenant_capped, cut_off, holding_up = {}, NONE, NONE, NONE
   if waiting > 0 then
+    tenant_capped, cut_off, holding_up = {}, {}, {}
     -- Waiters that stopped answering, once the earliest liveness deadline may have passed.
     if not alive_at or alive_at <= now then
       -- (The budget's worth a call: the earliest deadline left, passed already, brings the
