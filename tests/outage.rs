@@ -293,9 +293,11 @@ async fn waiters_come_through_a_flush_a_pause_and_an_empty_restart() {
     }
     eventually(
         Duration::from_secs(5),
-        "nothing held, nobody waits",
+        "nothing held, nobody waits, and both backends see Redis",
         || async {
-            let Ok(snapshot) = ours.snapshot().await else {
+            // Each backend's probe finds the restarted server on its own (up to a second
+            // apart): the twin may still be refusing at once when `ours` is served again.
+            let (Ok(snapshot), Ok(_)) = (ours.snapshot().await, twin.snapshot().await) else {
                 return false;
             };
             let pooled = snapshot.holders.iter().filter(|h| h.prefetched).count();
