@@ -74,6 +74,7 @@ on_two_processes!(
     a_capped_tenant_holds_up_nobody(3, Some(2)),
     a_capped_head_is_passed_by_no_later_request_of_its_tenant(3, Some(2)),
     seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_theirs(80, Some(2)),
+    a_waiter_behind_seventy_capped_heads_gets_the_room_that_opens(71, Some(2)),
     a_cancelled_head_strands_none_of_its_tenant(1, Some(1)),
 );
 
@@ -270,6 +271,55 @@ async fn seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_th
         );
     }
     drop(held);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(done) = waiters.join_next().await {
+            drop(done.unwrap().unwrap());
+        }
+    })
+    .await
+    .expect("every capped head served once its tenant had room");
+}
+
+/// A waiter standing behind more heads passed over for their tenant's cap than one call reads
+/// (64, fewer by the budget) still gets the room that opens while they stay capped: the calls
+/// read on past them (the script puts the heads it passed at the back of the class where it
+/// read only in part), so the room is not left idle until the waiter's deadline.
+async fn a_waiter_behind_seventy_capped_heads_gets_the_room_that_opens(
+    (a, b): (Semaphore, Semaphore),
+) {
+    let mut held = vec![];
+    let mut waiters = JoinSet::new();
+    for t in 0..70 {
+        held.push(a.acquire_with(of(&format!("t{t}"))).await.unwrap());
+        let b = b.clone();
+        waiters.spawn(async move { b.acquire_with(of(&format!("t{t}")).weight(2)).await });
+    }
+    let mut last = a.acquire_with(of("x")).await.unwrap();
+    eventually(
+        Duration::from_secs(10),
+        "70 capped heads in line",
+        || async { a.snapshot().await.unwrap().waiting == 70 },
+    )
+    .await;
+    let late = tokio::spawn({
+        let b = b.clone();
+        async move { b.acquire_with(of("late")).await }
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the late tenant in line",
+        || async { a.snapshot().await.unwrap().waiting == 71 },
+    )
+    .await;
+    // One slot opens, and no capped tenant may take it: only the late tenant fits.
+    last.release().await.unwrap();
+    let granted = tokio::time::timeout(Duration::from_secs(8), late)
+        .await
+        .expect("the room that opened was left idle behind capped heads")
+        .unwrap();
+    assert!(granted.is_ok(), "{granted:?}");
+    drop(held);
+    drop(granted);
     tokio::time::timeout(Duration::from_secs(10), async {
         while let Some(done) = waiters.join_next().await {
             drop(done.unwrap().unwrap());

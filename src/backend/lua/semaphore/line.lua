@@ -4,7 +4,7 @@
 -- `channel`, `publisher`, `patience`, `claim`, `now`, `work`, `spend`, `left` (args.lua);
 -- `parse`, `tag_of` (members.lua); `fence`, `line`, `alive_at`, `silent_at`, `changed`,
 -- `shares` (meta.lua); `RANK`, `level_of`, `rank_of`, `tenant_of`, `most`, `room`,
--- `blocked`, `admits`, `NONE` (classes.lua); `tenants`, `PARKED`, `tenant_line`, `head_of`,
+-- `blocked`, `admits`, `next_arrival`, `NONE` (classes.lua); `tenants`, `PARKED`, `tenant_line`, `head_of`,
 -- `left_line`, `unqueue`, `heal` (tenants.lua); `fenced_until`, `settled` (fence.lua); `due`,
 -- `still_silent` (sweep.lua); `grant`, `extend` (holders.lua).
 
@@ -39,10 +39,10 @@ end
 -- whose head holds up its class, waiting for room (at most one a class).
 local waiting, waits_in, tenant_capped, cut_off, holding_up
 -- The processes whose waiters are passed over (by tag), and whether any was marked within a
--- patience; the class served, its head as read so far, the next of it to look at, and how
--- many of it were passed over.
+-- patience; the class served, its head as read so far, the next of it to look at, how many of
+-- it were passed over, and those of them passed over for their tenant's cap (a list, or nil).
 local silent, anyone_silent
-local rank, head, at, passed
+local rank, head, at, passed, capped
 -- Whether the line was empty when this call began, until a waiter joins.
 local line_was_empty
 -- Each class in turn, highest first: its head read two at a time, since a release usually
@@ -153,7 +153,7 @@ local function step_line()
     end
     silent = {}
     anyone_silent = still_silent(silent_at)
-    rank, head, at, passed = nil, {}, 1, 0
+    rank, head, at, passed, capped = nil, {}, 1, 0, nil
     rank = firsts[1] and place(firsts[1])
     -- The first class's members among the first few are its head's first read.
     for _, member in ipairs(firsts) do
@@ -190,6 +190,8 @@ local function step_line()
           -- Its tenant holds all it may: passed over, as a silent process's waiters are.
           waiting = 1
           tenant_capped[rank .. tenant] = true
+          capped = capped or {}
+          table.insert(capped, member)
           if passed >= 64 or not spend(1) then
             cut_off[rank] = true
             break
@@ -216,6 +218,16 @@ local function step_line()
           admit(member, weight, lease, tenant)
         end
       end
+      if capped and cut_off[rank] then
+        -- Read only in part, past heads at their tenant's cap: they go to the back of the
+        -- class, in their order, so the next call reads on past them. (Kept in place, more of
+        -- them than a call reads would hide for as long as their tenants stay capped whoever
+        -- waits behind them, room or not.) At most the 64 passed, and only where the line is
+        -- that long: never in the model's configurations, and MemoryBackend reads it whole.
+        for _, member in ipairs(capped) do
+          redis.call('ZADD', queue, int(rank * RANK + next_arrival()), member)
+        end
+      end
       if blocked and not shares then
         -- Without shares nothing of a lower class fits where this one does not.
         break
@@ -225,7 +237,7 @@ local function step_line()
       -- (Past this class whatever its name says: a member another layout scored stands where
       -- its score puts it, and the loop ends within the eight classes.)
       rank = after and math.max(place(after), rank + 1)
-      head, at, passed = {}, 1, 0
+      head, at, passed, capped = {}, 1, 0, nil
     end
   end
   line_was_empty = waiting == 0
