@@ -312,12 +312,17 @@ async fn a_waiter_behind_seventy_capped_heads_gets_the_room_that_opens(
     )
     .await;
     // One slot opens, and no capped tenant may take it: only the late tenant fits.
+    let opened = std::time::Instant::now();
     last.release().await.unwrap();
     let granted = tokio::time::timeout(Duration::from_secs(8), late)
         .await
         .expect("the room that opened was left idle behind capped heads")
         .unwrap();
     assert!(granted.is_ok(), "{granted:?}");
+    eprintln!(
+        "behind 70 capped heads, granted {:?} after the room opened",
+        opened.elapsed()
+    );
     drop(held);
     drop(granted);
     tokio::time::timeout(Duration::from_secs(10), async {
