@@ -20,6 +20,65 @@ on_both_backends!(
     available_permits_count_by_the_limit_in_force,
 );
 
+/// A waiter that a lower limit pinned by another process makes heavier than the semaphore may
+/// hold is dropped from the line and refused at once: told by the call that pinned the limit,
+/// not left to learn it at its process's next keep-alive touch (a second after it queued).
+async fn a_waiter_a_lower_limit_makes_too_heavy_is_refused_at_once<B: Backend>(ours: B, theirs: B) {
+    let build = |backend| {
+        Semaphore::builder("shrinks")
+            .limit(4)
+            .build(backend)
+            .unwrap()
+    };
+    let (sem, operator) = (build(ours), build(theirs));
+    let _held = sem.acquire_many(2).await.unwrap();
+    let waiter = tokio::spawn({
+        let sem = sem.clone();
+        async move { sem.acquire_many(3).await }
+    });
+    support::eventually(
+        Duration::from_secs(5),
+        "the heavy waiter in line",
+        || async { operator.snapshot().await.unwrap().waiting == 1 },
+    )
+    .await;
+    let pinned = Instant::now();
+    operator.set_limit(2).await.unwrap();
+    let refused = tokio::time::timeout(Duration::from_millis(500), waiter)
+        .await
+        .expect("the waiter learned it was dropped only at its next keep-alive")
+        .unwrap();
+    eprintln!(
+        "a waiter made too heavy refused {:?} after the pin",
+        pinned.elapsed()
+    );
+    assert!(
+        matches!(&refused, Err(Error::Config(m)) if m.contains("at most 2")),
+        "{refused:?}"
+    );
+}
+
+mod a_waiter_a_lower_limit_makes_too_heavy_is_refused_at_once {
+    use tower_distributed_limit::MemoryBackend;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn memory() {
+        let backend = MemoryBackend::new();
+        super::a_waiter_a_lower_limit_makes_too_heavy_is_refused_at_once(backend.clone(), backend)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis() {
+        let redis = super::Redis::start().await;
+        super::a_waiter_a_lower_limit_makes_too_heavy_is_refused_at_once(
+            redis.backend().await,
+            redis.backend().await,
+        )
+        .await;
+    }
+}
+
 /// `available_permits` answers by the limit every process admits by, not by the one this
 /// process was built with: stored by another process, pinned by an operator, or adaptive.
 async fn available_permits_count_by_the_limit_in_force(backend: impl Backend + Clone) {

@@ -157,11 +157,12 @@ impl MemorySemaphore {
         lock(&self.shared.state)
     }
 
-    /// Runs `op` on this semaphore between two settlements, then announces the grants made.
+    /// Runs `op` on this semaphore between two settlements, then announces the grants made
+    /// (and any waiter dropped).
     fn with<R>(&self, op: impl FnOnce(&mut Permits, Instant, &mut u64) -> R) -> R {
         let now = Instant::now();
         let mut grants = Vec::new();
-        let result = {
+        let (result, dropped) = {
             let mut guard = self.state();
             let AllPermits {
                 semaphores,
@@ -176,9 +177,9 @@ impl MemorySemaphore {
                 let epoch = self.shared.epoch;
                 Permits::new(self.limit, self.adaptive, self.classes, epoch, now)
             });
-            permits.settle(now, fence, &mut grants);
+            let dropped = permits.settle(now, fence, &mut grants);
             let result = op(permits, now, fence);
-            permits.settle(now, fence, &mut grants);
+            let dropped = permits.settle(now, fence, &mut grants) || dropped;
             self.in_force.store(permits.limit(), Ordering::Relaxed);
             let crowded = permits.crowded();
             self.crowded
@@ -186,8 +187,13 @@ impl MemorySemaphore {
             if permits.forgettable(now) {
                 semaphores.remove(&self.name);
             }
-            result
+            (result, dropped)
         };
+        if dropped {
+            // A waiter left the line unserved (too heavy now): its waitlist learns at once,
+            // as the script's message tells a Redis client.
+            self.waitlist.touch_soon();
+        }
         for (member, token, deadline) in grants {
             let until = Until::Server(self.shared.server_us(deadline));
             self.waitlist.grant(&member, token, until);

@@ -263,8 +263,13 @@ impl Permits {
     /// class in turn, highest first, in arrival order while its oldest fits. A class whose
     /// oldest waits for the pool holds the lower classes to their reservations; one at its cap
     /// holds up nobody else, and a tenant at its cap is passed over. Each grant is pushed on
-    /// `grants`, its token drawn from `fence`.
-    pub(super) fn settle(&mut self, now: Instant, fence: &mut u64, grants: &mut Vec<Grant>) {
+    /// `grants`, its token drawn from `fence`. True if it dropped a waiter (see below).
+    pub(super) fn settle(
+        &mut self,
+        now: Instant,
+        fence: &mut u64,
+        grants: &mut Vec<Grant>,
+    ) -> bool {
         let expired: Vec<Arc<str>> = (self.holders.iter())
             .filter(|(_, holding)| holding.deadline <= now)
             .map(|(member, _)| member.clone())
@@ -276,6 +281,7 @@ impl Permits {
         }
         self.blocked = None;
         self.waiting = [false; 8];
+        let mut dropped = false;
         let mut from: Place = (0, 0);
         while let Some((&(ranked, _), _)) = self.queue.range(from..).next() {
             let mut cursor = (ranked, 0);
@@ -285,9 +291,10 @@ impl Permits {
                 let tenant = member.tenant.is_some();
                 if member.weight > self.classes.most(member.priority, tenant, self.limit) {
                     // Heavier than its class (or tenant) may ever hold under the limit now in
-                    // force: it would block the line for ever. Dropped, it learns at its next
-                    // refresh and is refused.
+                    // force: it would block the line for ever. Dropped; the caller has its
+                    // process check its line at once, so it learns and is refused.
                     self.unqueue(&text);
+                    dropped = true;
                     continue;
                 }
                 let room = self.room(member);
@@ -310,6 +317,7 @@ impl Permits {
             }
             from = (ranked + 1, 0);
         }
+        dropped
     }
 
     /// Nothing held, nothing waiting, and nothing to remember: no limit set by an operator, no

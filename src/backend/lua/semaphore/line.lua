@@ -171,9 +171,12 @@ local function step_line()
         local level = rank_of(rank)
         while member and (parse(member) > most(level, tenant_of(member)) or parse(member) < 1) do
           -- Heavier than its class (or tenant) may ever hold under the limit now in force: it
-          -- would block the line for ever. Dropped, it learns at its next refresh and is refused.
+          -- would block the line for ever. Dropped, and told so on its process's channel (the
+          -- member alone: not a grant, so its process checks its line at once, finds it unknown
+          -- and asks again, to be refused), rather than at its next touch, up to a second on.
           -- (So is a member of no weight: no version writes one.)
           unqueue(member)
+          redis.call(publisher, channel .. ':' .. tag_of(member), member)
           member = spend(1) and oldest()
           if member == false then
             -- The budget ran out with the rest of the class unread.
