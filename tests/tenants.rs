@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 use tokio::task::JoinSet;
-use tower_distributed_limit::{Ask, Backend, Error, MemoryBackend, Priority, Semaphore, Share};
+use tower_distributed_limit::{
+    Ask, Backend, Error, MemoryBackend, Permit, Priority, Semaphore, Share,
+};
 
 use support::{eventually, wait_until_available};
 
@@ -235,18 +237,15 @@ async fn a_capped_head_is_passed_by_no_later_request_of_its_tenant((a, b): (Sema
     assert_eq!(heavy.weight(), 2);
 }
 
-/// A call reads at most 64 heads passed over for their tenant's cap (fewer: its budget is 32):
-/// past them, a new tenant is still granted at once (a class of many capped tenants takes
-/// newcomers), and a tenant whose head stands beyond them still waits behind it (the tenants'
-/// index tells).
-async fn seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_theirs(
-    (a, b): (Semaphore, Semaphore),
-) {
+/// 70 tenants each holding 1 (through `a`) and each with a weight-2 request waiting at the
+/// head of its tenant (through `b`; 1 + 2 is over a cap of 2), in line once this returns.
+async fn seventy_capped_heads(
+    (a, b): (&Semaphore, &Semaphore),
+) -> (Vec<Permit>, JoinSet<Result<Permit, Error>>) {
     let mut held = vec![];
     let mut waiters = JoinSet::new();
     for t in 0..70 {
         held.push(a.acquire_with(of(&format!("t{t}"))).await.unwrap());
-        // Each tenant's weight-2 request waits at the head of its tenant (1 + 2 over its cap).
         let b = b.clone();
         waiters.spawn(async move { b.acquire_with(of(&format!("t{t}")).weight(2)).await });
     }
@@ -256,6 +255,29 @@ async fn seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_th
         || async { a.snapshot().await.unwrap().waiting == 70 },
     )
     .await;
+    (held, waiters)
+}
+
+/// The tenants' holds given back: every capped head is then served.
+async fn serve_the_capped((held, mut waiters): (Vec<Permit>, JoinSet<Result<Permit, Error>>)) {
+    drop(held);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(done) = waiters.join_next().await {
+            drop(done.unwrap().unwrap());
+        }
+    })
+    .await
+    .expect("every capped head served once its tenant had room");
+}
+
+/// A call reads at most 64 heads passed over for their tenant's cap (fewer: its budget is 32):
+/// past them, a new tenant is still granted at once (a class of many capped tenants takes
+/// newcomers), and a tenant whose head stands beyond them still waits behind it (the tenants'
+/// index tells).
+async fn seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_theirs(
+    (a, b): (Semaphore, Semaphore),
+) {
+    let capped = seventy_capped_heads((&a, &b)).await;
     assert!(
         a.try_acquire_with(of("newcomer")).await.unwrap().is_some(),
         "a new tenant was held up by tenants at their cap"
@@ -270,14 +292,7 @@ async fn seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_th
             "t{t} passed its own head"
         );
     }
-    drop(held);
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while let Some(done) = waiters.join_next().await {
-            drop(done.unwrap().unwrap());
-        }
-    })
-    .await
-    .expect("every capped head served once its tenant had room");
+    serve_the_capped(capped).await;
 }
 
 /// A waiter standing behind more heads passed over for their tenant's cap than one call reads
@@ -287,20 +302,9 @@ async fn seventy_capped_heads_hold_up_no_new_tenant_and_are_passed_by_none_of_th
 async fn a_waiter_behind_seventy_capped_heads_gets_the_room_that_opens(
     (a, b): (Semaphore, Semaphore),
 ) {
-    let mut held = vec![];
-    let mut waiters = JoinSet::new();
-    for t in 0..70 {
-        held.push(a.acquire_with(of(&format!("t{t}"))).await.unwrap());
-        let b = b.clone();
-        waiters.spawn(async move { b.acquire_with(of(&format!("t{t}")).weight(2)).await });
-    }
+    let capped = seventy_capped_heads((&a, &b)).await;
+    // The last slot of 71 held, then the late tenant in line behind the 70.
     let mut last = a.acquire_with(of("x")).await.unwrap();
-    eventually(
-        Duration::from_secs(10),
-        "70 capped heads in line",
-        || async { a.snapshot().await.unwrap().waiting == 70 },
-    )
-    .await;
     let late = tokio::spawn({
         let b = b.clone();
         async move { b.acquire_with(of("late")).await }
@@ -323,15 +327,8 @@ async fn a_waiter_behind_seventy_capped_heads_gets_the_room_that_opens(
         "behind 70 capped heads, granted {:?} after the room opened",
         opened.elapsed()
     );
-    drop(held);
     drop(granted);
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while let Some(done) = waiters.join_next().await {
-            drop(done.unwrap().unwrap());
-        }
-    })
-    .await
-    .expect("every capped head served once its tenant had room");
+    serve_the_capped(capped).await;
 }
 
 /// Found by the model (tests/model, invariant `served`): a grant at once to one tenant can
