@@ -121,7 +121,7 @@ const STEP_END: &str = "end -- step_";
 const KEYS_LOCAL: &str = "local KEYS, ARGV";
 
 /// A library (lua/semaphore/) as the script `EVAL` runs: the same definitions, each part's
-/// `step_*` body where it stands rather than in a function (the library's `run` calls them in
+/// `step_*` body where it stands (in a `do` block) rather than in a function (the library's `run` calls them in
 /// the order of the parts), then the reply. A script makes every function anew on each call,
 /// with its upvalues: the bodies inlined spare about a third of its instructions.
 ///
@@ -170,6 +170,11 @@ fn as_script(library: &str) -> Result<String, String> {
             keys_locals += 1;
             // (EVAL's keys and arguments are globals.)
             text.push_str("local KEYS, ARGV = KEYS, ARGV\n");
+        } else if opened.is_some() || closed.is_some() {
+            // Each body in a block of its own, as in its function: its locals end with it. (A
+            // script is one function, and Lua 5.1 allows a function 200 locals at once: the
+            // bodies' locals left open had used every one.)
+            text.push_str(if opened.is_some() { "do\n" } else { "end\n" });
         } else if kept {
             text.push_str(line);
             text.push('\n');
@@ -481,11 +486,15 @@ end -- run
             "\
 local KEYS, ARGV = KEYS, ARGV
 local x
+do
   x = 1
+end
 local function helper()
   return x
 end
+do
   x = x + 1
+end
 return reply
 "
         );

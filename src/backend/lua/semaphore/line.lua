@@ -39,10 +39,10 @@ end
 -- whose head holds up its class, waiting for room (at most one a class).
 local waiting, waits_in, tenant_capped, cut_off, holding_up
 -- The processes whose waiters are passed over (by tag), and whether any was marked within a
--- patience; the class served, its head as read so far, the next of it to look at, how many of
--- it were passed over, and those of them passed over for their tenant's cap (a list, or nil).
+-- patience; the class served, its head as read so far, the next of it to look at, and how
+-- many of it were passed over.
 local silent, anyone_silent
-local rank, head, at, passed, capped
+local rank, head, at, passed
 -- Whether the line was empty when this call began, until a waiter joins.
 local line_was_empty
 -- Each class in turn, highest first: its head read two at a time, since a release usually
@@ -153,7 +153,11 @@ local function step_line()
     end
     silent = {}
     anyone_silent = still_silent(silent_at)
-    rank, head, at, passed, capped = nil, {}, 1, 0, nil
+    rank, head, at, passed = nil, {}, 1, 0
+    -- The class's heads passed over for their tenant's cap (a list, or nil). (A local of the
+    -- scan, not of the file: the script form inlines every step into one function, which Lua
+    -- allows 200 locals.)
+    local capped
     rank = firsts[1] and place(firsts[1])
     -- The first class's members among the first few are its head's first read.
     for _, member in ipairs(firsts) do
@@ -244,7 +248,8 @@ local function step_line()
       -- (Past this class whatever its name says: a member another layout scored stands where
       -- its score puts it, and the loop ends within the eight classes.)
       rank = after and math.max(place(after), rank + 1)
-      head, at, passed, capped = {}, 1, 0, nil
+      head, at, passed = {}, 1, 0
+      capped = nil
     end
   end
   line_was_empty = waiting == 0
