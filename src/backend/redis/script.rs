@@ -121,8 +121,8 @@ const STEP_END: &str = "end -- step_";
 const KEYS_LOCAL: &str = "local KEYS, ARGV";
 
 /// A library (lua/semaphore/) as the script `EVAL` runs: the same definitions, each part's
-/// `step_*` body where it stands (in a `do` block) rather than in a function (the library's `run` calls them in
-/// the order of the parts), then the reply. A script makes every function anew on each call,
+/// `step_*` body where it stands (in a `do` block) rather than in a function (the library's
+/// `run` calls them in the order of the parts), then the reply. A script makes every function anew on each call,
 /// with its upvalues: the bodies inlined spare about a third of its instructions.
 ///
 /// Every marker must be where the rewrite expects it (`run` once, after `KEYS_LOCAL` once;

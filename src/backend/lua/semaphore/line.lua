@@ -4,9 +4,9 @@
 -- `channel`, `publisher`, `patience`, `claim`, `now`, `work`, `spend`, `left` (args.lua);
 -- `parse`, `tag_of` (members.lua); `fence`, `line`, `alive_at`, `silent_at`, `changed`,
 -- `shares` (meta.lua); `RANK`, `level_of`, `rank_of`, `tenant_of`, `most`, `room`,
--- `blocked`, `admits`, `next_arrival`, `NONE` (classes.lua); `tenants`, `PARKED`, `tenant_line`, `head_of`,
--- `left_line`, `unqueue`, `heal` (tenants.lua); `fenced_until`, `settled` (fence.lua); `due`,
--- `still_silent` (sweep.lua); `grant`, `extend` (holders.lua).
+-- `blocked`, `admits`, `next_arrival`, `NONE` (classes.lua); `tenants`, `PARKED`,
+-- `tenant_line`, `head_of`, `left_line`, `unqueue`, `heal` (tenants.lua); `fenced_until`,
+-- `settled` (fence.lua); `due`, `still_silent` (sweep.lua); `grant`, `extend` (holders.lua).
 
 -- Admit waiters, each class in arrival order while its oldest fits; forget waiters that
 -- stopped answering (and any whose liveness entry is gone). `granted`: the token of each
@@ -236,7 +236,7 @@ local function step_line()
           table.insert(scored, int(rank * RANK + next_arrival()))
           table.insert(scored, member)
         end
-        -- (One command for all: a command each cost 3-5 µs apiece.)
+        -- (One command for all: one a member costs 3-5 µs each.)
         redis.call('ZADD', queue, unpack(scored))
       end
       if blocked and not shares then
